@@ -1,0 +1,113 @@
+"""Sessions for the monorepo, discovered from ``packages/*/pyproject.toml``.
+
+``nox`` (no arguments) runs lint, typecheck, tests and tests_together: the README's test command.
+Every install goes through a constraints file (``constraints/cpu.txt`` by default, ``NOX_CONSTRAINTS``
+overrides it, e.g. ``constraints/gpu-cu130.txt`` on a GPU runner); virtualenvs are reused between runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = sorted(p.parent.name for p in ROOT.glob("packages/*/pyproject.toml"))
+CONSTRAINTS = os.environ.get("NOX_CONSTRAINTS", "constraints/cpu.txt")
+PIP = ["--quiet", "--constraint", CONSTRAINTS]
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["lint", "typecheck", "tests", "tests_together"]
+
+
+def import_name(package: str) -> str:
+    """``kt-regroup`` -> ``kt_regroup``."""
+    return package.replace("-", "_")
+
+
+def group(package_dir: Path, name: str) -> list[str]:
+    """The requirements of PEP 735 dependency group ``name`` of the project in ``package_dir``."""
+    return list(nox.project.dependency_groups(nox.project.load_toml(package_dir / "pyproject.toml"), name))
+
+
+def install_package(session: nox.Session, package: str, *groups: str) -> None:
+    """Install one package (with its fbgemm CPU extra) and the given dependency groups, through the pins."""
+    package_dir = ROOT / "packages" / package
+    extra = "fbgemm" if "gpu-" in CONSTRAINTS else "fbgemm-cpu"
+    requirements = [req for name in groups for req in group(package_dir, name)]
+    session.install(*PIP, f"{package_dir}[{extra}]", *requirements)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff format + ruff check over the whole tree, then the import-linter independence contract."""
+    session.install(*PIP, "ruff", "import-linter")
+    session.run("ruff", "format", "--check", ".")
+    session.run("ruff", "check", ".")
+    src_dirs = os.pathsep.join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
+    session.run("lint-imports", env={"PYTHONPATH": src_dirs})
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def typecheck(session: nox.Session, package: str) -> None:
+    """mypy --strict over one package's sources and tests, in a venv holding that package alone."""
+    install_package(session, package, "typing", "test")
+    session.run("mypy", f"packages/{package}/src", f"packages/{package}/tests")
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package's tests in a venv holding only that package, its dependencies and its test group."""
+    install_package(session, package, "test")
+    session.run("python", "tools/check_install_alone.py", "--current-env", package)
+    session.run("pytest", f"packages/{package}/tests", *session.posargs)
+
+
+@nox.session
+def tests_together(session: nox.Session) -> None:
+    """All packages in one venv: cross-package contracts, integration tests and the example trainer."""
+    session.install(*PIP, "-r", "tests/requirements.txt")
+    for package in PACKAGES:
+        install_package(session, package, "test")
+    session.run("mypy", "tests", "examples")
+    session.run("pytest", "tests", "examples", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def gpu(session: nox.Session, package: str) -> None:
+    """One package's ``gpu``-marked tests; REQUIRE_GPU=1 makes a missing CUDA device fail, not skip."""
+    install_package(session, package, "test")
+    session.run(
+        "pytest", "-m", "gpu", f"packages/{package}/tests", *session.posargs, env={"REQUIRE_GPU": "1"}
+    )
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def bench(session: nox.Session, package: str) -> None:
+    """``python -m <module>.bench`` for one package; arguments after ``--`` go to the benchmark."""
+    install_package(session, package)
+    session.install(*PIP, "matplotlib")
+    session.run("python", "-m", f"{import_name(package)}.bench", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def install_alone(session: nox.Session, package: str) -> None:
+    """Install one package into a fresh venv through the pins; it must import and pull in no sibling."""
+    session.run("python", "tools/check_install_alone.py", "--fresh-venv", package)
+
+
+@nox.session
+def main_job(session: nox.Session) -> None:
+    """The README's main job: the end-to-end DLRM trainer, 2 processes on CPU (gloo)."""
+    session.install(*PIP, "-r", "examples/dlrm/requirements.txt")
+    for package in PACKAGES:
+        install_package(session, package)
+    session.run("python", "-m", "examples.dlrm.launch", *session.posargs)
