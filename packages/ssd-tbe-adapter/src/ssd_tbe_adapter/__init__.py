@@ -1,8 +1,37 @@
-"""Key-value (SSD) embedding tables on an embedded RocksDB store behind a cache with prefetch, usable wherever an fbgemm TBE is."""
+"""Key-value (SSD) embedding tables on an embedded RocksDB store behind a cache with prefetch, usable wherever an fbgemm TBE is.
+
+- :class:`KeyValueEmbeddingBags`: pooled lookups with the fbgemm TBE forward signature (VBE, ``vbe_output``),
+  ``prefetch``, fused SGD / row-wise Adagrad in backward, ``flush``, chunked checkpoints, ``metrics``.
+- :class:`RocksDBStore` / :class:`MemoryStore`: :class:`~ssd_tbe_adapter.interfaces.KVStore` implementations.
+"""
 
 from __future__ import annotations
 
+from ssd_tbe_adapter._module import KeyValueEmbeddingBags, TableChunk, TableSpec
+from ssd_tbe_adapter._store import MemoryStore, RocksDBStore
 from ssd_tbe_adapter._version import __version__
-from ssd_tbe_adapter.errors import SSDTBEAdapterError
+from ssd_tbe_adapter.errors import (
+    SSDTBEAdapterError,
+    StoreClosedError,
+    StoreCorruptError,
+    StoreNotFoundError,
+    StoreOpenError,
+    StoreUnavailableError,
+)
+from ssd_tbe_adapter.interfaces import KVStore
 
-__all__ = ["SSDTBEAdapterError", "__version__"]
+__all__ = [
+    "KVStore",
+    "KeyValueEmbeddingBags",
+    "MemoryStore",
+    "RocksDBStore",
+    "SSDTBEAdapterError",
+    "StoreClosedError",
+    "StoreCorruptError",
+    "StoreNotFoundError",
+    "StoreOpenError",
+    "StoreUnavailableError",
+    "TableChunk",
+    "TableSpec",
+    "__version__",
+]

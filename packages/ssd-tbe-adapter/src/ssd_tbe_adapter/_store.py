@@ -1,0 +1,391 @@
+"""Key-value stores: :class:`RocksDBStore` (embedded RocksDB through ``rocksdict``) and :class:`MemoryStore`.
+
+Keys are 12 bytes: the table number as big-endian ``uint32`` followed by the id as big-endian ``uint64``
+with its sign bit flipped, so RocksDB's byte order is (table, id) numeric order and one table is one
+contiguous key range (checkpoints stream it with a single iterator).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ssd_tbe_adapter.errors import (
+    StoreClosedError,
+    StoreCorruptError,
+    StoreNotFoundError,
+    StoreOpenError,
+    StoreUnavailableError,
+)
+
+__all__ = ["MemoryStore", "RocksDBStore"]
+
+_KEY_DTYPE = np.dtype([("table", ">u4"), ("id", ">u8")])
+_KEY_BYTES = _KEY_DTYPE.itemsize
+_SIGN = np.uint64(1 << 63)
+
+
+def _check_ids(ids: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
+    if ids.dim() != 1 or ids.dtype != torch.int64 or ids.device.type != "cpu":
+        raise ValueError(f"`ids` must be a 1-D int64 CPU tensor, got {tuple(ids.shape)} {ids.dtype} on {ids.device}")
+    array: np.ndarray[Any, np.dtype[np.int64]] = ids.contiguous().numpy()
+    return array
+
+
+def _check_rows(rows: torch.Tensor, n: int, name: str) -> None:
+    if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.device.type != "cpu" or rows.shape[0] != n:
+        raise ValueError(
+            f"`{name}` must be a [{n}, row_bytes] uint8 CPU tensor, got {tuple(rows.shape)} {rows.dtype} on {rows.device}"
+        )
+    if not rows.is_contiguous():
+        raise ValueError(f"`{name}` must be contiguous")
+
+
+def _check_table(table: int) -> None:
+    if not 0 <= table < 2**32 - 1:
+        raise ValueError(f"`table` must be in [0, 2**32 - 1), got {table}")
+
+
+def encode_keys(table: int, ids: np.ndarray[Any, np.dtype[np.int64]]) -> list[bytes]:
+    """The 12-byte keys of ``ids`` in ``table`` (see the module docstring)."""
+    keys = np.empty(ids.shape[0], dtype=_KEY_DTYPE)
+    keys["table"] = table
+    keys["id"] = ids.view(np.uint64) ^ _SIGN
+    encoded: list[bytes] = keys.view(f"V{_KEY_BYTES}").tolist()
+    return encoded
+
+
+def decode_ids(keys: bytes, n: int) -> torch.Tensor:
+    """Ids ``[n]`` int64 of ``n`` concatenated 12-byte keys."""
+    array = np.frombuffer(keys, dtype=_KEY_DTYPE, count=n)
+    return torch.from_numpy((array["id"] ^ _SIGN).astype(np.uint64).view(np.int64).copy())
+
+
+class MemoryStore:
+    """A :class:`~ssd_tbe_adapter.interfaces.KVStore` in host memory (tests, benchmarks, small tables).
+
+    Per table a dict ``id -> row number`` over a growing ``uint8`` matrix. Nothing survives the process.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._index: dict[int, dict[int, int]] = {}
+        self._rows: dict[int, torch.Tensor] = {}
+        self._size: dict[int, int] = {}
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("this MemoryStore was closed")
+
+    def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
+        """Read the rows of ``ids`` into ``out`` (see :meth:`KVStore.get`)."""
+        _check_table(table)
+        array = _check_ids(ids)
+        _check_rows(out, array.shape[0], "out")
+        with self._lock:
+            self._check_open()
+            index = self._index.get(table)
+            if index is None or array.shape[0] == 0:
+                return torch.zeros(array.shape[0], dtype=torch.bool)
+            positions = torch.tensor([index.get(i, -1) for i in array.tolist()], dtype=torch.int64)
+            found = positions >= 0
+            if bool(found.any()):
+                rows = self._rows[table]
+                if rows.shape[1] != out.shape[1]:
+                    raise StoreCorruptError(
+                        f"table {table} holds {rows.shape[1]}-byte rows, `out` has {out.shape[1]}-byte rows"
+                    )
+                out[found] = rows[positions[found]]
+            return found
+
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None:
+        """Write ``rows`` as the records of ``ids`` (see :meth:`KVStore.put`)."""
+        _check_table(table)
+        array = _check_ids(ids)
+        _check_rows(rows, array.shape[0], "rows")
+        with self._lock:
+            self._check_open()
+            index = self._index.setdefault(table, {})
+            if table not in self._rows:
+                self._rows[table] = torch.empty(max(1024, array.shape[0]), rows.shape[1], dtype=torch.uint8)
+                self._size[table] = 0
+            storage = self._rows[table]
+            if storage.shape[1] != rows.shape[1]:
+                raise StoreCorruptError(
+                    f"table {table} holds {storage.shape[1]}-byte rows, `rows` has {rows.shape[1]}-byte rows"
+                )
+            size = self._size[table]
+            positions = []
+            for i in array.tolist():
+                position = index.get(i)
+                if position is None:
+                    position = size
+                    index[i] = position
+                    size += 1
+                positions.append(position)
+            if size > storage.shape[0]:
+                grown = torch.empty(max(size, 2 * storage.shape[0]), storage.shape[1], dtype=torch.uint8)
+                grown[: self._size[table]] = storage[: self._size[table]]
+                storage = self._rows[table] = grown
+            self._size[table] = size
+            storage[torch.tensor(positions, dtype=torch.int64)] = rows
+
+    def iter_chunks(self, *, table: int, chunk_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Stream the records of ``table`` in id order (see :meth:`KVStore.iter_chunks`)."""
+        _check_table(table)
+        if chunk_rows < 1:
+            raise ValueError(f"`chunk_rows` must be >= 1, got {chunk_rows}")
+        with self._lock:
+            self._check_open()
+            items = sorted(self._index.get(table, {}).items())
+        for start in range(0, len(items), chunk_rows):
+            part = items[start : start + chunk_rows]
+            ids = torch.tensor([i for i, _ in part], dtype=torch.int64)
+            positions = torch.tensor([p for _, p in part], dtype=torch.int64)
+            with self._lock:
+                self._check_open()
+                rows = self._rows[table][positions].clone()
+            yield ids, rows
+
+    def clear_table(self, *, table: int) -> None:
+        """Delete every record of ``table``."""
+        _check_table(table)
+        with self._lock:
+            self._check_open()
+            self._index.pop(table, None)
+            self._rows.pop(table, None)
+            self._size.pop(table, None)
+
+    def flush(self) -> None:
+        """Nothing to do: memory is as durable as this store gets."""
+        self._check_open()
+
+    def close(self) -> None:
+        """Drop every row."""
+        with self._lock:
+            self._closed = True
+            self._index.clear()
+            self._rows.clear()
+
+
+def _import_rocksdict() -> Any:
+    try:
+        import rocksdict
+    except ImportError as error:  # pragma: no cover - rocksdict is a runtime dependency
+        raise StoreUnavailableError(
+            "RocksDBStore needs `rocksdict` (pip install rocksdict); use MemoryStore() without it"
+        ) from error
+    return rocksdict
+
+
+class RocksDBStore:
+    """A :class:`~ssd_tbe_adapter.interfaces.KVStore` on an embedded RocksDB database (``rocksdict``, raw mode).
+
+    Options (RocksDB defaults unless listed):
+
+    - write-ahead log on: every ``put`` batch goes to the WAL before it is acknowledged, so a killed process
+      loses nothing that was put; ``flush()`` also flushes the memtable to SST files and fsyncs the WAL
+      (survives a power loss).
+    - ``optimize_for_point_lookup(block_cache_mb)``: bloom filters and a block cache sized for point gets,
+      which is all an embedding cache does.
+    - no compression: embedding rows are noise to a compressor.
+    - ``write_buffer_mb`` memtable size, ``max_background_jobs`` flush/compaction threads.
+
+    Args:
+        path: database directory; created when missing if ``create_if_missing``.
+        create_if_missing: create a new database at a missing ``path`` (else :class:`StoreNotFoundError`).
+        block_cache_mb: block cache for point lookups, MiB.
+        write_buffer_mb: memtable size, MiB.
+        max_background_jobs: RocksDB background threads.
+        sync_writes: fsync the WAL on every ``put`` (slow; only needed against power loss between flushes).
+
+    Raises:
+        StoreNotFoundError: ``path`` is missing and ``create_if_missing`` is false.
+        StoreOpenError: ``path`` is a file, is not a RocksDB database, is corrupt or is locked by another
+            process.
+        StoreUnavailableError: ``rocksdict`` is not installed.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        create_if_missing: bool = True,
+        block_cache_mb: int = 64,
+        write_buffer_mb: int = 64,
+        max_background_jobs: int = 2,
+        sync_writes: bool = False,
+    ) -> None:
+        rocksdict = _import_rocksdict()
+        self._path = Path(path)
+        if self._path.exists() and not self._path.is_dir():
+            raise StoreOpenError(f"store `path` {str(self._path)!r} is a file, expected a RocksDB directory")
+        fresh = not self._path.exists() or not any(self._path.iterdir())
+        if fresh and not create_if_missing:
+            raise StoreNotFoundError(
+                f"store `path` {str(self._path)!r} holds no RocksDB database and `create_if_missing` is False"
+            )
+        if not fresh and not (self._path / "CURRENT").is_file():
+            raise StoreOpenError(
+                f"store `path` {str(self._path)!r} is a non-empty directory without a RocksDB `CURRENT` file"
+            )
+        self._path.mkdir(parents=True, exist_ok=True)
+        options = rocksdict.Options(raw_mode=True)
+        options.create_if_missing(create_if_missing)
+        options.set_paranoid_checks(True)
+        options.optimize_for_point_lookup(block_cache_mb)
+        options.set_compression_type(rocksdict.DBCompressionType.none())
+        options.set_write_buffer_size(write_buffer_mb * 2**20)
+        options.set_max_background_jobs(max_background_jobs)
+        try:
+            self._db: Any = rocksdict.Rdict(str(self._path), options)
+        except Exception as error:  # rocksdict raises plain Exception for every RocksDB status
+            raise StoreOpenError(
+                f"cannot open RocksDB store at `path` {str(self._path)!r}: {error} "
+                "(corrupt, locked by another process, or not a RocksDB database)"
+            ) from error
+        write_options = rocksdict.WriteOptions()
+        write_options.sync = sync_writes
+        write_options.disable_wal = False
+        self._db.set_write_options(write_options)
+        self._rocksdict = rocksdict
+        self._closed = False
+        # RocksDB is thread-safe; this lock only orders close() against in-flight calls.
+        self._lock = threading.RLock()
+
+    @property
+    def path(self) -> Path:
+        """The database directory."""
+        return self._path
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"the RocksDBStore at {str(self._path)!r} was closed")
+
+    def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
+        """Read the rows of ``ids`` into ``out`` with one multi-get (see :meth:`KVStore.get`)."""
+        _check_table(table)
+        array = _check_ids(ids)
+        _check_rows(out, array.shape[0], "out")
+        n = array.shape[0]
+        if n == 0:
+            return torch.zeros(0, dtype=torch.bool)
+        keys = encode_keys(table, array)
+        with self._lock:
+            self._check_open()
+            values: list[bytes | None] = self._db.get(keys)
+        found_list = [value is not None for value in values]
+        found = torch.tensor(found_list, dtype=torch.bool)
+        present = [value for value in values if value is not None]
+        if present:
+            width = out.shape[1]
+            blob = b"".join(present)
+            if len(blob) != width * len(present) or any(len(value) != width for value in present):
+                bad = next(i for i, value in enumerate(values) if value is not None and len(value) != width)
+                length = len(values[bad] or b"")
+                raise StoreCorruptError(
+                    f"table {table} id {int(array[bad])} has a {length}-byte record, expected {width} bytes "
+                    f"(store {str(self._path)!r} written with another table layout?)"
+                )
+            rows = torch.from_numpy(np.frombuffer(blob, dtype=np.uint8).reshape(len(present), width).copy())
+            if len(present) == n:
+                out.copy_(rows)
+            else:
+                out[found] = rows
+        return found
+
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None:
+        """Write ``rows`` as the records of ``ids`` in one atomic ``WriteBatch`` (see :meth:`KVStore.put`)."""
+        _check_table(table)
+        array = _check_ids(ids)
+        _check_rows(rows, array.shape[0], "rows")
+        if array.shape[0] == 0:
+            return
+        keys = encode_keys(table, array)
+        values: list[bytes] = rows.numpy().view(f"V{rows.shape[1]}").ravel().tolist()
+        batch = self._rocksdict.WriteBatch(raw_mode=True)
+        for key, value in zip(keys, values):
+            batch.put(key, value)
+        with self._lock:
+            self._check_open()
+            self._db.write(batch)
+
+    def iter_chunks(self, *, table: int, chunk_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Stream the records of ``table`` in id order with one RocksDB iterator (see :meth:`KVStore.iter_chunks`)."""
+        _check_table(table)
+        if chunk_rows < 1:
+            raise ValueError(f"`chunk_rows` must be >= 1, got {chunk_rows}")
+        prefix = np.array([table], dtype=">u4").tobytes()
+        with self._lock:
+            self._check_open()
+            iterator = self._db.iter()
+        iterator.seek(prefix)
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        width: int | None = None
+
+        def emit() -> tuple[torch.Tensor, torch.Tensor]:
+            assert width is not None
+            blob = b"".join(values)
+            rows = torch.from_numpy(np.frombuffer(blob, dtype=np.uint8).reshape(len(values), width).copy())
+            return decode_ids(b"".join(keys), len(keys)), rows
+
+        while iterator.valid():
+            key = iterator.key()
+            if len(key) != _KEY_BYTES or key[:4] != prefix:
+                break
+            value = iterator.value()
+            if width is None:
+                width = len(value)
+            elif len(value) != width:
+                raise StoreCorruptError(
+                    f"table {table} mixes {width}-byte and {len(value)}-byte records in {str(self._path)!r}"
+                )
+            keys.append(key)
+            values.append(value)
+            if len(keys) == chunk_rows:
+                yield emit()
+                keys, values = [], []
+            iterator.next()
+        if keys:
+            yield emit()
+        del iterator
+
+    def clear_table(self, *, table: int) -> None:
+        """Delete every record of ``table`` with one range delete."""
+        _check_table(table)
+        start = np.array([table], dtype=">u4").tobytes()
+        end = np.array([table + 1], dtype=">u4").tobytes()
+        with self._lock:
+            self._check_open()
+            self._db.delete_range(start, end)
+
+    def flush(self) -> None:
+        """Flush the memtable to SST files and fsync the write-ahead log."""
+        with self._lock:
+            self._check_open()
+            self._db.flush(True)
+            self._db.flush_wal(True)
+
+    def close(self) -> None:
+        """Flush and close the database; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._db.flush(True)
+            self._db.flush_wal(True)
+            self._db.close()
+            self._closed = True
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: S110 - interpreter shutdown; the WAL already holds every put
+            pass
