@@ -1,0 +1,329 @@
+"""``SparseDataDistUtil``: the sparse-data-dist and prefetch stages for every sparse module of a model.
+
+No FX rewrite: the util finds the submodules that implement :class:`~pipeline_stages.interfaces.SparseDistModule`
+and keeps one context per in-flight batch, in a FIFO that advances in lockstep with the batches:
+
+* ``start_sparse_data_dist(batch)`` (a stage runnable) appends a context and starts every module's input dist.
+* ``wait_sparse_data_dist()`` finishes the oldest started, unwaited context (fill callback of that stage, and
+  after every model forward through a forward hook on the model, as torchrec does).
+* ``prefetch(batch)`` (a stage runnable) prefetches the rows of the batch's context on every
+  :class:`~pipeline_stages.interfaces.Prefetchable` module (waiting for the dist first if needed).
+* ``load_prefetch()`` (fill callback of the prefetch stage, and after every model forward) marks the oldest
+  prefetched context as loaded: the input of an upcoming forward.
+* A forward pre-hook on every sparse module hands the oldest context's distributed features to the module
+  with ``enqueue_pipelined_input`` right before its forward (after the compute stream waited for the dist or
+  prefetch work and ``record_stream`` of the features), so the forward pops them instead of distributing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+from torch.utils.hooks import RemovableHandle
+
+from pipeline_stages._streams import new_event, record_stream_all, stream_context
+from pipeline_stages.errors import InvalidStageError, NoSparseModulesError, SparseFeaturesError
+from pipeline_stages.interfaces import Prefetchable, SparseDistModule
+
+__all__ = ["SparseDataDistUtil"]
+
+
+def _default_sparse_features(batch: Any) -> Any:
+    try:
+        return batch.sparse_features
+    except AttributeError:
+        raise SparseFeaturesError(
+            f"batch of type {type(batch).__name__} has no attribute `sparse_features`; pass "
+            "`sparse_features=` (a callable batch -> features) to SparseDataDistUtil"
+        ) from None
+
+
+@dataclass(slots=True, eq=False)
+class _BatchContext:
+    """The sparse-dist state of one in-flight batch."""
+
+    index: int
+    batch: Any
+    features: dict[str, Any]
+    handles: dict[str, Any]
+    dist: dict[str, Any] | None = None
+    event: torch.cuda.Event | None = None
+    prefetched: bool = False
+    loaded: bool = False
+    consumed: set[str] = field(default_factory=set)
+
+
+class SparseDataDistUtil:
+    """Sparse data dist and prefetch stages for a :class:`~pipeline_stages.StagedTrainPipeline`.
+
+    Example (the stage layout of torchrec; works on CPU with every stream None)::
+
+        sdd = SparseDataDistUtil(model, data_dist_stream=dist_stream, prefetch_stream=prefetch_stream)
+        pipeline = StagedTrainPipeline([
+            PipelineStage("data_copy", copy_to_device, stream=copy_stream),
+            PipelineStage("start_sparse_data_dist", sdd.start_sparse_data_dist, stream=sdd.data_dist_stream,
+                          fill_callback=sdd.wait_sparse_data_dist),
+            PipelineStage("prefetch", sdd.prefetch, stream=sdd.prefetch_stream, fill_callback=sdd.load_prefetch),
+        ])
+
+    Without a prefetch stage, drop the last stage: the forward then uses the waited dist features directly.
+
+    Args:
+        model: the model; every outermost submodule (the model itself included) implementing
+            :class:`~pipeline_stages.interfaces.SparseDistModule` is driven.
+        data_dist_stream: CUDA stream of the input dists (None on CPU or to use the current stream).
+        prefetch_stream: CUDA stream of the prefetches (None on CPU or to use the current stream).
+        sparse_features: ``batch -> features`` handed to ``start_input_dist``; defaults to the batch's
+            ``sparse_features`` attribute. It may return a mapping ``{module name: features}`` whose keys are
+            exactly the names of the driven modules (see :attr:`modules`) to give each module its own input.
+
+    Raises:
+        NoSparseModulesError: ``model`` has no submodule implementing ``SparseDistModule``.
+
+    Each sparse module must be called (through ``__call__``, so its hooks run) exactly once per model forward
+    of a pipelined batch; a model forward on another input while batches are in flight (an eval forward)
+    would consume a pipelined context: ``detach()`` first, or flush.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data_dist_stream: torch.cuda.Stream | None = None,
+        prefetch_stream: torch.cuda.Stream | None = None,
+        *,
+        sparse_features: Callable[[Any], Any] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidStageError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
+        for name, stream in (("data_dist_stream", data_dist_stream), ("prefetch_stream", prefetch_stream)):
+            if stream is not None and not isinstance(stream, torch.cuda.Stream):
+                raise InvalidStageError(f"`{name}` must be a torch.cuda.Stream or None, got {stream!r}")
+        if sparse_features is not None and not callable(sparse_features):
+            raise InvalidStageError(
+                f"`sparse_features` must be callable (batch -> features), got {sparse_features!r}"
+            )
+        self.model = model
+        self.data_dist_stream = data_dist_stream
+        self.prefetch_stream = prefetch_stream
+        self._sparse_features = sparse_features if sparse_features is not None else _default_sparse_features
+        self._modules = self._find_modules(model)
+        self._cuda = data_dist_stream is not None or prefetch_stream is not None
+        device = (
+            next(s.device for s in (data_dist_stream, prefetch_stream) if s is not None)
+            if self._cuda
+            else None
+        )
+        self._forward_stream: torch.cuda.Stream | None = (
+            torch.cuda.current_stream(device) if self._cuda else None
+        )
+        self._contexts: deque[_BatchContext] = deque()
+        self._next_index = 0
+        self._hooks: list[RemovableHandle] = []
+        self.attach()
+
+    # ---------------------------------------------------------------- discovery and hooks
+
+    @staticmethod
+    def _find_modules(model: nn.Module) -> dict[str, SparseDistModule]:
+        found: dict[str, SparseDistModule] = {}
+        for name, module in model.named_modules():
+            if any(name == outer or outer == "" or name.startswith(outer + ".") for outer in found):
+                continue
+            if isinstance(module, SparseDistModule):
+                found[name] = module
+        if not found:
+            raise NoSparseModulesError(
+                f"`model` ({type(model).__name__}) has no submodule implementing SparseDistModule "
+                "(start_input_dist, wait_input_dist, enqueue_pipelined_input)"
+            )
+        return found
+
+    @property
+    def modules(self) -> Mapping[str, SparseDistModule]:
+        """The driven modules by qualified name (``""`` for the model itself)."""
+        return dict(self._modules)
+
+    @property
+    def num_in_flight(self) -> int:
+        """How many batch contexts are held (started and not yet consumed by every module's forward)."""
+        return len(self._contexts)
+
+    @property
+    def attached(self) -> bool:
+        """Whether the hooks that hand pipelined input to the modules are installed."""
+        return bool(self._hooks)
+
+    def attach(self) -> None:
+        """Install the hooks (done at construction, and again by the first start after ``detach()``)."""
+        if self._hooks:
+            return
+        self._hooks.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
+        for name, module in self._modules.items():
+            assert isinstance(module, nn.Module)
+            self._hooks.append(module.register_forward_pre_hook(self._module_pre_hook(name)))
+        self._hooks.append(self.model.register_forward_hook(self._model_post_hook))
+
+    def detach(self) -> nn.Module:
+        """Remove the hooks: the model and its modules behave as before; in-flight contexts are kept.
+
+        The next ``start_sparse_data_dist`` (or :meth:`attach`) re-attaches and the pipeline continues where
+        it stopped. Returns the model.
+        """
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        return self.model
+
+    def reset(self) -> None:
+        """Drop every in-flight context (after finishing started dists, so no collective is left open)."""
+        for ctx in self._contexts:
+            if ctx.dist is None:
+                self._wait(ctx)
+        self._contexts.clear()
+
+    # ---------------------------------------------------------------- stages
+
+    def start_sparse_data_dist(self, batch: Any) -> Any:
+        """Stage runnable: start every module's input dist of ``batch``'s sparse features; return ``batch``."""
+        if not self._hooks:
+            self.attach()
+        features = self._features_per_module(batch)
+        ctx = _BatchContext(index=self._next_index, batch=batch, features=features, handles={})
+        self._next_index += 1
+        with (
+            record_function(f"## start_sparse_data_dist {ctx.index} ##"),
+            stream_context(self.data_dist_stream),
+        ):
+            for name, module in self._modules.items():
+                ctx.handles[name] = module.start_input_dist(features[name])
+        self._contexts.append(ctx)
+        return batch
+
+    def wait_sparse_data_dist(self) -> None:
+        """Finish the input dist of the oldest context not waited yet (no-op when there is none)."""
+        for ctx in self._contexts:
+            if ctx.dist is None:
+                self._wait(ctx)
+                return
+
+    def prefetch(self, batch: Any) -> Any:
+        """Stage runnable: prefetch the rows of ``batch``'s context on every Prefetchable module; return ``batch``.
+
+        The context is the one started for this very batch object if there is one, else the oldest one not
+        prefetched yet; its dist is waited first if needed.
+        """
+        ctx = self._context_of(batch, lambda c: not c.prefetched)
+        if ctx is None:
+            return batch
+        if ctx.dist is None:
+            self._wait(ctx)
+        assert ctx.dist is not None
+        with record_function(f"## prefetch {ctx.index} ##"), stream_context(self.prefetch_stream):
+            stream = self._current_stream()
+            if stream is not None and ctx.event is not None:
+                stream.wait_event(ctx.event)
+                record_stream_all(ctx.dist, stream)
+            for name, module in self._modules.items():
+                if isinstance(module, Prefetchable):
+                    module.prefetch(ctx.dist[name], forward_stream=self._forward_stream)
+            if stream is not None:
+                ctx.event = new_event(stream)
+        ctx.prefetched = True
+        return batch
+
+    def load_prefetch(self) -> None:
+        """Mark the oldest prefetched, not yet loaded context as the input of an upcoming forward.
+
+        The hand-off itself (``enqueue_pipelined_input``) happens in the sparse module's forward pre-hook,
+        right before the forward that consumes it; the forward's stream then waits for the prefetch.
+        """
+        for ctx in self._contexts:
+            if ctx.prefetched and not ctx.loaded:
+                ctx.loaded = True
+                return
+
+    # torchrec names of the same callbacks, so torchrec stage layouts work unchanged.
+    def wait_sdd_fill_callback(self) -> None:
+        """Alias of :meth:`wait_sparse_data_dist` (torchrec's fill callback name)."""
+        self.wait_sparse_data_dist()
+
+    def data_exhausted_callback(self) -> None:
+        """No-op (torchrec parity): every operation here already tolerates missing contexts."""
+
+    # ---------------------------------------------------------------- internals
+
+    def _features_per_module(self, batch: Any) -> dict[str, Any]:
+        features = self._sparse_features(batch)
+        if isinstance(features, Mapping) and set(features) == set(self._modules):
+            return {name: features[name] for name in self._modules}
+        return dict.fromkeys(self._modules, features)
+
+    def _current_stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream() if self._cuda else None
+
+    def _wait(self, ctx: _BatchContext) -> None:
+        with (
+            record_function(f"## wait_sparse_data_dist {ctx.index} ##"),
+            stream_context(self.data_dist_stream),
+        ):
+            ctx.dist = {
+                name: module.wait_input_dist(ctx.handles[name]) for name, module in self._modules.items()
+            }
+            ctx.handles = {}
+            stream = self._current_stream()
+            if stream is not None:
+                ctx.event = new_event(stream)
+
+    def _context_of(self, batch: Any, wanted: Callable[[_BatchContext], bool]) -> _BatchContext | None:
+        oldest = None
+        for ctx in self._contexts:
+            if ctx.batch is batch:
+                return ctx
+            if oldest is None and wanted(ctx):
+                oldest = ctx
+        return oldest
+
+    def _model_pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Drop stale contexts: those older than the context of the batch this forward runs on (if known)."""
+        if len(self._contexts) < 2:
+            return
+        inputs = [*args, *kwargs.values()]
+        for position, ctx in enumerate(self._contexts):
+            keys = (ctx.batch, *ctx.features.values())
+            if any(value is key for value in inputs for key in keys):
+                for _ in range(position):
+                    stale = self._contexts.popleft()
+                    if stale.dist is None:
+                        self._wait(stale)
+                return
+
+    def _module_pre_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            ctx = next((c for c in self._contexts if name not in c.consumed), None)
+            if ctx is None:
+                return
+            if ctx.dist is None:
+                self._wait(ctx)
+            assert ctx.dist is not None
+            features = ctx.dist[name]
+            stream = self._current_stream()
+            if stream is not None and ctx.event is not None:
+                stream.wait_event(ctx.event)
+                record_stream_all(features, stream)
+            self._modules[name].enqueue_pipelined_input(features)
+            ctx.consumed.add(name)
+            while self._contexts and len(self._contexts[0].consumed) == len(self._modules):
+                self._contexts.popleft()
+
+        return hook
+
+    def _model_post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """After a forward: finish the next batch's dist (hidden behind this forward) and load its prefetch."""
+        self.wait_sparse_data_dist()
+        self.load_prefetch()

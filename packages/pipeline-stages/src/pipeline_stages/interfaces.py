@@ -1,0 +1,72 @@
+"""Protocols that ``pipeline_stages`` consumes; providers fit them structurally and never import them.
+
+The method names follow torchrec (``Pipelineable``, ``ShardedEmbeddingBagCollection.prefetch``), so torchrec
+objects fit too.
+
+* :class:`Pipelineable`: a batch (or a part of one) that knows how to move itself to a device and how to
+  tell the CUDA caching allocator that another stream uses its tensors.
+* :class:`SparseDistModule`: a module whose sparse-feature input distribution (an all-to-all) runs in two
+  phases, start then wait, and which accepts already-distributed input for its next forward.
+* :class:`Prefetchable`: a module that can pull the rows a distributed batch will look up into a faster
+  tier (cache, HBM) ahead of the forward, e.g. a key-value (SSD) embedding table.
+
+How a :class:`SparseDistModule` receives its pre-distributed input (no FX rewrite): ``enqueue_pipelined_input``
+appends the distributed features of one batch to a FIFO inside the module; the module's next ``forward`` pops
+the oldest entry and uses it instead of running its own input distribution. ``forward`` with an empty FIFO
+runs start + wait itself, so the module works unchanged outside a pipeline.
+:class:`~pipeline_stages.SparseDataDistUtil` calls ``enqueue_pipelined_input`` from a forward pre-hook of the
+module, right before the forward that consumes the entry, so that nothing is left queued in a module between
+forwards (``detach()`` then leaves the module exactly as it was).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import torch
+
+__all__ = ["Pipelineable", "Prefetchable", "SparseDistModule"]
+
+_PipelineableT = TypeVar("_PipelineableT", bound="Pipelineable")
+
+
+@runtime_checkable
+class Pipelineable(Protocol):
+    """A batch that can move to a device and mark its tensors as used by another stream (torchrec's name)."""
+
+    def to(self: _PipelineableT, device: torch.device, non_blocking: bool = False) -> _PipelineableT:
+        """Return a copy on ``device``; ``non_blocking=True`` lets the copy overlap (pinned host memory)."""
+        ...
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Call ``Tensor.record_stream(stream)`` on every CUDA tensor this object holds."""
+        ...
+
+
+@runtime_checkable
+class SparseDistModule(Protocol):
+    """A module whose input distribution runs in two phases and that accepts pre-distributed input."""
+
+    def start_input_dist(self, features: Any) -> Any:
+        """Start the all-to-all of ``features`` (this rank's local batch); return a handle to wait on."""
+        ...
+
+    def wait_input_dist(self, handle: Any) -> Any:
+        """Finish the all-to-all started by :meth:`start_input_dist`; return the distributed features."""
+        ...
+
+    def enqueue_pipelined_input(self, dist_features: Any) -> None:
+        """Queue distributed features; the next ``forward`` pops them (FIFO) instead of distributing itself."""
+        ...
+
+
+@runtime_checkable
+class Prefetchable(Protocol):
+    """A module that prefetches the rows a distributed batch needs (torchrec's ``prefetch``)."""
+
+    def prefetch(self, dist_features: Any, forward_stream: torch.cuda.Stream | None = None) -> None:
+        """Pull the rows ``dist_features`` will look up into the fast tier.
+
+        ``forward_stream`` is the stream the forward that consumes them will run on (None on CPU).
+        """
+        ...
