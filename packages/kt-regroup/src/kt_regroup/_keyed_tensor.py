@@ -1,0 +1,190 @@
+"""``KeyedTensor``: pooled embeddings of several keys, side by side along one dimension."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from kt_regroup.errors import (
+    AmbiguousKeyError,
+    InvalidGroupsError,
+    LayoutMismatchError,
+    LengthMismatchError,
+    UnknownKeyError,
+)
+
+__all__ = ["KeyedTensor"]
+
+
+def _preview(keys: Sequence[str], limit: int = 6) -> str:
+    """``f1, f2, ...`` for error messages (at most ``limit`` names)."""
+    shown = ", ".join(keys[:limit])
+    return shown + (", ..." if len(keys) > limit else "")
+
+
+class KeyedTensor:
+    """Immutable pooled embeddings of several keys laid out along ``key_dim``.
+
+    Args:
+        keys: the key (feature) names, unique, in layout order.
+        length_per_key: the width of each key's block along ``key_dim``, each ``>= 0``.
+        values: ``[B, sum(length_per_key)]`` when ``key_dim == 1`` (the fast path) or
+            ``[sum(length_per_key), B]`` when ``key_dim == 0``; any device and floating dtype.
+        key_dim: 0 or 1.
+
+    Raises:
+        InvalidGroupsError: a key is not a ``str``.
+        AmbiguousKeyError: a key appears twice.
+        LengthMismatchError: ``length_per_key`` has another length than ``keys``, holds a negative
+            value, or does not sum to ``values.size(key_dim)``.
+        LayoutMismatchError: ``values`` is not 2-D or ``key_dim`` is not 0 or 1.
+    """
+
+    __slots__ = ("_key_dim", "_keys", "_length_per_key", "_offset_per_key", "_values")
+
+    _keys: tuple[str, ...]
+    _length_per_key: tuple[int, ...]
+    _values: torch.Tensor
+    _key_dim: int
+    _offset_per_key: tuple[int, ...] | None
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        length_per_key: Sequence[int],
+        values: torch.Tensor,
+        key_dim: int = 1,
+    ) -> None:
+        keys_t = tuple(keys)
+        lengths_t = tuple(int(n) for n in length_per_key)
+        if key_dim not in (0, 1):
+            raise LayoutMismatchError(f"`key_dim` is {key_dim!r}; expected 0 or 1")
+        if not isinstance(values, torch.Tensor) or values.dim() != 2:
+            shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+            raise LayoutMismatchError(f"`values` must be a 2-D tensor; got {shape}")
+        for key in keys_t:
+            if not isinstance(key, str):
+                raise InvalidGroupsError(f"`keys` must hold str; got {key!r} ({type(key).__name__})")
+        seen: set[str] = set()
+        for key in keys_t:
+            if key in seen:
+                raise AmbiguousKeyError(f"`keys` names key `{key}` more than once")
+            seen.add(key)
+        if len(lengths_t) != len(keys_t):
+            raise LengthMismatchError(
+                f"`length_per_key` has {len(lengths_t)} entries but `keys` has {len(keys_t)}"
+            )
+        if any(n < 0 for n in lengths_t):
+            raise LengthMismatchError(f"`length_per_key` must be >= 0; got {list(lengths_t)[:8]}")
+        width = sum(lengths_t)
+        if width != values.size(key_dim):
+            raise LengthMismatchError(
+                f"`length_per_key` sums to {width} but `values` has {values.size(key_dim)} "
+                f"along key_dim={key_dim} (shape {tuple(values.shape)})"
+            )
+        self._keys = keys_t
+        self._length_per_key = lengths_t
+        self._values = values
+        self._key_dim = key_dim
+        self._offset_per_key = None
+
+    @staticmethod
+    def from_tensor_list(
+        keys: Sequence[str], tensors: Sequence[torch.Tensor], key_dim: int = 1
+    ) -> KeyedTensor:
+        """Concatenate per-key tensors along ``key_dim`` into one KeyedTensor.
+
+        Args:
+            keys: one name per tensor.
+            tensors: ``[B, D_k]`` each (``key_dim == 1``) or ``[D_k, B]`` each (``key_dim == 0``).
+            key_dim: 0 or 1.
+
+        Returns:
+            A KeyedTensor whose ``values()`` is ``torch.cat(tensors, dim=key_dim)``.
+        """
+        if len(keys) != len(tensors):
+            raise LengthMismatchError(f"`keys` has {len(keys)} entries but `tensors` has {len(tensors)}")
+        if key_dim not in (0, 1):
+            raise LayoutMismatchError(f"`key_dim` is {key_dim!r}; expected 0 or 1")
+        if not tensors:
+            raise LengthMismatchError("`tensors` is empty: the batch size would be unknown")
+        lengths = [t.size(key_dim) for t in tensors]
+        return KeyedTensor(keys, lengths, torch.cat(list(tensors), dim=key_dim), key_dim)
+
+    def keys(self) -> list[str]:
+        """The keys, in layout order."""
+        return list(self._keys)
+
+    def length_per_key(self) -> list[int]:
+        """Width of each key's block along ``key_dim``."""
+        return list(self._length_per_key)
+
+    def offset_per_key(self) -> list[int]:
+        """Start of each key's block along ``key_dim``, plus the total width at the end (``len(keys) + 1``)."""
+        if self._offset_per_key is None:
+            offsets = [0]
+            for n in self._length_per_key:
+                offsets.append(offsets[-1] + n)
+            self._offset_per_key = tuple(offsets)
+        return list(self._offset_per_key)
+
+    def values(self) -> torch.Tensor:
+        """``[B, sum(D)]`` (``key_dim == 1``) or ``[sum(D), B]`` (``key_dim == 0``)."""
+        return self._values
+
+    def key_dim(self) -> int:
+        """0 or 1."""
+        return self._key_dim
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        """``{key: its block}``; blocks are views of ``values()`` (``[B, D_k]`` or ``[D_k, B]``)."""
+        blocks = torch.split(self._values, list(self._length_per_key), dim=self._key_dim)
+        return dict(zip(self._keys, blocks, strict=False))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        """The block of ``key`` (a view of ``values()``).
+
+        Raises:
+            UnknownKeyError: ``key`` is not one of ``keys()``.
+        """
+        try:
+            index = self._keys.index(key)
+        except ValueError:
+            raise UnknownKeyError(
+                f"key `{key}` is not in this KeyedTensor (keys: {_preview(self._keys)})"
+            ) from None
+        start = self.offset_per_key()[index]
+        return self._values.narrow(self._key_dim, start, self._length_per_key[index])
+
+    def __repr__(self) -> str:
+        return (
+            f"KeyedTensor(keys=[{_preview(self._keys)}], values={tuple(self._values.shape)} "
+            f"{self._values.dtype} on {self._values.device}, key_dim={self._key_dim})"
+        )
+
+
+def _flatten(kt: KeyedTensor) -> tuple[list[torch.Tensor], Any]:
+    return [kt.values()], (tuple(kt.keys()), tuple(kt.length_per_key()), kt.key_dim())
+
+
+def _flatten_with_keys(kt: KeyedTensor) -> tuple[list[tuple[Any, torch.Tensor]], Any]:
+    values, context = _flatten(kt)
+    return [(pytree.GetAttrKey("_values"), values[0])], context
+
+
+def _unflatten(values: Any, context: Any) -> KeyedTensor:
+    keys, lengths, key_dim = context
+    return KeyedTensor(list(keys), list(lengths), next(iter(values)), key_dim)
+
+
+# A pytree node, so that torch.export / torch.compile accept KeyedTensors as module inputs and outputs.
+pytree.register_pytree_node(
+    KeyedTensor,
+    _flatten,
+    _unflatten,
+    serialized_type_name="kt_regroup.KeyedTensor",
+    flatten_with_keys_fn=_flatten_with_keys,
+)

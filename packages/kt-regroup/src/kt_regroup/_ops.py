@@ -1,0 +1,166 @@
+"""The ``kt_regroup::permute`` / ``kt_regroup::permute_backward`` ops (torch.library custom ops).
+
+The schema carries only tensors, ints and int lists (no ``str[][]``), so ``torch.compile(fullgraph=True)``
+traces through without a graph break and ``torch.export`` exports modules that call it. Fake kernels give
+the output shapes; autograd is registered for both ops (the backward of the backward is the forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kt_regroup._torch_impl import torch_backward, torch_forward
+
+__all__ = ["permute", "permute_backward"]
+
+_TORCH, _FBGEMM, _TRITON = 0, 1, 2
+
+
+def _shapes(like: torch.Tensor, widths: Sequence[int], key_dim: int) -> list[torch.Tensor]:
+    batch = like.size(1 - key_dim)
+    return [like.new_empty((batch, w) if key_dim == 1 else (w, batch)) for w in widths]
+
+
+@torch.library.custom_op("kt_regroup::permute", mutates_args=())
+def permute(
+    values: list[torch.Tensor],
+    plan: list[torch.Tensor],
+    meta: list[int],
+    in_lengths: list[int],
+    out_lengths: list[int],
+    key_dim: int,
+    backend: int,
+) -> list[torch.Tensor]:
+    """Regroup ``values`` (one 2-D tensor per input KeyedTensor) into one tensor per group.
+
+    Args:
+        values: ``[B, in_lengths[i]]`` each (``[in_lengths[i], B]`` when ``key_dim == 0``), one dtype
+            and device.
+        plan: the plan's int index tensors, on the values' device.
+        meta: the plan's static ints (how to read ``plan``).
+        in_lengths: widths of the inputs along ``key_dim``.
+        out_lengths: widths of the groups along ``key_dim``.
+        key_dim: 0 or 1.
+        backend: 0 torch, 1 fbgemm, 2 triton.
+
+    Returns:
+        ``[B, out_lengths[g]]`` per group (``[out_lengths[g], B]`` for ``key_dim == 0``), fresh tensors.
+    """
+    if backend == _FBGEMM:
+        from kt_regroup._fbgemm import permute_multi_embedding_function
+
+        return permute_multi_embedding_function(
+            [v.contiguous() for v in values], plan[0], plan[1], plan[2], list(out_lengths), False
+        )
+    if backend == _TRITON:
+        from kt_regroup._triton_impl import triton_forward
+
+        return triton_forward(values, plan, meta, in_lengths, out_lengths)
+    return torch_forward(values, plan, meta, out_lengths, key_dim)
+
+
+@permute.register_fake
+def _permute_fake(
+    values: list[torch.Tensor],
+    plan: list[torch.Tensor],
+    meta: list[int],
+    in_lengths: list[int],
+    out_lengths: list[int],
+    key_dim: int,
+    backend: int,
+) -> list[torch.Tensor]:
+    return _shapes(values[0], out_lengths, key_dim)
+
+
+@torch.library.custom_op("kt_regroup::permute_backward", mutates_args=())
+def permute_backward(
+    grads: list[torch.Tensor],
+    plan: list[torch.Tensor],
+    meta: list[int],
+    in_lengths: list[int],
+    out_lengths: list[int],
+    key_dim: int,
+    backend: int,
+) -> list[torch.Tensor]:
+    """Gradients of ``permute``'s inputs from its outputs' gradients (same plan and ints).
+
+    Returns:
+        ``[B, in_lengths[i]]`` per input: the sum over every occurrence of each key, in group order,
+        and exactly 0 for keys that are in no group. Deterministic, no atomics.
+    """
+    if backend == _FBGEMM:
+        from kt_regroup._fbgemm import permute_multi_embedding_function
+
+        n_in = meta[0]
+        # Reverse mode reads the group widths where the forward reads the input widths.
+        result = permute_multi_embedding_function(
+            [g.contiguous() for g in grads], plan[0], plan[2], plan[1], list(in_lengths), True
+        )
+        # fbgemm leaves the columns of keys in no group uninitialised: zero them.
+        for index in range(n_in):
+            if meta[1 + index]:
+                result[index].index_fill_(1, plan[3 + index], 0)
+        return result
+    if backend == _TRITON:
+        from kt_regroup._triton_impl import triton_backward
+
+        return triton_backward(grads, plan, meta, in_lengths, out_lengths)
+    return torch_backward(grads, plan, meta, in_lengths, key_dim)
+
+
+@permute_backward.register_fake
+def _permute_backward_fake(
+    grads: list[torch.Tensor],
+    plan: list[torch.Tensor],
+    meta: list[int],
+    in_lengths: list[int],
+    out_lengths: list[int],
+    key_dim: int,
+    backend: int,
+) -> list[torch.Tensor]:
+    return _shapes(grads[0], in_lengths, key_dim)
+
+
+def _setup_context(
+    ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...], output: object
+) -> None:
+    _, plan, meta, in_lengths, out_lengths, key_dim, backend = inputs
+    ctx.plan = plan  # type: ignore[attr-defined]  # int index tensors: no grad, not saved for backward
+    ctx.args = (meta, in_lengths, out_lengths, key_dim, backend)  # type: ignore[attr-defined]  # static ints
+
+
+def _materialize(
+    grads: Sequence[torch.Tensor | None], widths: Sequence[int], key_dim: int
+) -> list[torch.Tensor]:
+    """Unused outputs get ``None`` gradients; the kernels want zeros of the right shape."""
+    like = next((g for g in grads if g is not None), None)
+    if like is None or all(g is not None for g in grads):
+        return [g for g in grads if g is not None]
+    zeros = _shapes(like, widths, key_dim)
+    return [g if g is not None else z.zero_() for g, z in zip(grads, zeros, strict=False)]
+
+
+def _permute_autograd(
+    ctx: torch.autograd.function.FunctionCtx, grads: list[torch.Tensor | None]
+) -> tuple[object, ...]:
+    meta, in_lengths, out_lengths, key_dim, backend = ctx.args  # type: ignore[attr-defined]
+    result = permute_backward(
+        _materialize(grads, out_lengths, key_dim), ctx.plan, meta, in_lengths, out_lengths, key_dim, backend
+    )  # type: ignore[attr-defined]
+    return result, [None] * len(ctx.plan), None, None, None, None, None  # type: ignore[attr-defined]
+
+
+def _permute_backward_autograd(
+    ctx: torch.autograd.function.FunctionCtx, grads: list[torch.Tensor | None]
+) -> tuple[object, ...]:
+    meta, in_lengths, out_lengths, key_dim, backend = ctx.args  # type: ignore[attr-defined]
+    result = permute(
+        _materialize(grads, in_lengths, key_dim), ctx.plan, meta, in_lengths, out_lengths, key_dim, backend
+    )  # type: ignore[attr-defined]
+    return result, [None] * len(ctx.plan), None, None, None, None, None  # type: ignore[attr-defined]
+
+
+permute.register_autograd(_permute_autograd, setup_context=_setup_context)
+permute_backward.register_autograd(_permute_backward_autograd, setup_context=_setup_context)

@@ -1,0 +1,301 @@
+"""Public regroup entry points: ``regroup``, ``regroup_as_dict`` and the ``KTRegroupAsDict`` module."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kt_regroup._backend import resolve_backend
+from kt_regroup._ops import permute
+from kt_regroup._plan import Plan, PlanData, build_plan, build_plan_data, make_tensors
+from kt_regroup._spec import InputLayout, build_spec, normalize_groups, read_layout
+from kt_regroup.errors import InvalidGroupsError, LayoutMismatchError, LengthMismatchError
+from kt_regroup.interfaces import KeyedTensorLike
+
+__all__ = ["KTRegroupAsDict", "regroup", "regroup_as_dict"]
+
+_PLAN_CACHE: OrderedDict[tuple[object, ...], Plan] = OrderedDict()
+_PLAN_CACHE_SIZE = 64
+
+
+def _plan_for(layout: InputLayout, groups: tuple[tuple[str, ...], ...], backend: str) -> Plan:
+    spec = build_spec(layout.keys, layout.lengths, groups)
+    name = resolve_backend(
+        backend, layout.device, layout.key_dim, layout.dtype, len(layout.keys), len(groups)
+    )
+    return build_plan(spec, name, layout.key_dim, layout.device, layout.dtype)
+
+
+@torch._dynamo.assume_constant_result  # type: ignore[untyped-decorator]  # untyped in torch
+def _constant_plan(
+    keys: tuple[tuple[str, ...], ...],
+    lengths: tuple[tuple[int, ...], ...],
+    groups: tuple[tuple[str, ...], ...],
+    backend: str,
+    key_dim: int,
+    device: str,
+    dtype: str,
+) -> tuple[object, ...]:
+    """A plan as nested tuples of ints, computed outside the traced graph (for a cold ``torch.compile``)."""
+    spec = build_spec(keys, lengths, groups)
+    dev = torch.device(device)
+    dt = getattr(torch, dtype.removeprefix("torch."))
+    name = resolve_backend(backend, dev, key_dim, dt, len(keys), len(groups))
+    data = build_plan_data(spec, name, key_dim, dt)
+    return (data.index, data.meta, data.in_lengths, data.out_lengths, data.key_dim, data.backend)
+
+
+def _cached_plan(layout: InputLayout, groups: tuple[tuple[str, ...], ...], backend: str) -> Plan:
+    """Plans of the functional API, kept in a small LRU keyed by layout, groups and backend."""
+    import os
+
+    from kt_regroup._backend import ENV_VAR
+
+    key = (layout, groups, backend, os.environ.get(ENV_VAR, ""))
+    plan = _PLAN_CACHE.get(key)
+    if plan is None:
+        plan = _plan_for(layout, groups, backend)
+        _PLAN_CACHE[key] = plan
+        if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.popitem(last=False)
+    else:
+        _PLAN_CACHE.move_to_end(key)
+    return plan
+
+
+def _run(keyed_tensors: Sequence[KeyedTensorLike], plan: Plan) -> list[torch.Tensor]:
+    if not plan.out_lengths:
+        return []
+    values = [kt.values() for kt in keyed_tensors]
+    outputs: list[torch.Tensor] = permute(
+        values,
+        list(plan.tensors),
+        list(plan.meta),
+        list(plan.in_lengths),
+        list(plan.out_lengths),
+        plan.key_dim,
+        plan.backend,
+    )
+    return outputs
+
+
+def regroup(
+    keyed_tensors: Sequence[KeyedTensorLike],
+    groups: Sequence[Sequence[str]],
+    *,
+    backend: str = "auto",
+) -> list[torch.Tensor]:
+    """Regroup the keys of one or more KeyedTensors into feature groups.
+
+    Args:
+        keyed_tensors: KeyedTensor-likes (``keys()``, ``length_per_key()``, ``values()``, ``key_dim()``)
+            with one batch size, device, dtype and ``key_dim``; keys unique across all of them.
+        groups: the keys of each output group, in output order. Keys may repeat (within and across
+            groups) and may be left out.
+        backend: ``"auto"``, ``"torch"``, ``"fbgemm"`` or ``"triton"`` (``KT_REGROUP_BACKEND`` overrides).
+
+    Returns:
+        One ``[B, sum(dims of the group's keys)]`` tensor per group (``[sum(dims), B]`` for
+        ``key_dim == 0``); ``[B, 0]`` for an empty group, ``[]`` for no groups. Differentiable: a
+        repeated key's gradient is the sum over its occurrences, a skipped key's gradient is 0.
+
+    Raises:
+        UnknownKeyError: a group names a key that no input holds.
+        AmbiguousKeyError: a key is in two inputs.
+        LayoutMismatchError: inputs differ in batch size, device, dtype or key_dim.
+        LengthMismatchError: an input's lengths do not match its values.
+        InvalidGroupsError: ``groups`` is malformed.
+        UnknownBackendError, BackendUnavailableError: see ``backend``.
+    """
+    groups_t = normalize_groups(groups)
+    layout = read_layout(keyed_tensors)
+    return _run(keyed_tensors, _cached_plan(layout, groups_t, backend))
+
+
+def _check_names(groups: tuple[tuple[str, ...], ...], keys: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(keys, str):
+        raise InvalidGroupsError(f"`keys` must be a list of names, one per group; got the str {keys!r}")
+    names = tuple(keys)
+    if len(names) != len(groups):
+        raise InvalidGroupsError(f"`keys` has {len(names)} names but `groups` has {len(groups)} groups")
+    if len(set(names)) != len(names):
+        raise InvalidGroupsError(f"`keys` names an output twice: {list(names)}")
+    return names
+
+
+def regroup_as_dict(
+    keyed_tensors: Sequence[KeyedTensorLike],
+    groups: Sequence[Sequence[str]],
+    keys: Sequence[str],
+    *,
+    backend: str = "auto",
+) -> dict[str, torch.Tensor]:
+    """:func:`regroup`, with the outputs named: ``{keys[g]: output of group g}``.
+
+    Raises:
+        InvalidGroupsError: ``keys`` does not name each group exactly once (plus :func:`regroup`'s errors).
+    """
+    groups_t = normalize_groups(groups)
+    names = _check_names(groups_t, keys)
+    return dict(zip(names, regroup(keyed_tensors, groups_t, backend=backend), strict=False))
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedPlan:
+    buffers: tuple[str, ...]
+    plan: Plan  # the plan's tensors live in the module's buffers (moved by .to()); these are not used
+
+
+class KTRegroupAsDict(nn.Module):
+    """Regroup KeyedTensors into named feature groups, with the plan cached per input layout.
+
+    The plan (small int index tensors) is computed on the first call with a given layout (keys, lengths,
+    ``key_dim``, device, dtype) and kept as non-persistent buffers, so later calls do no host metadata
+    work beyond recognising the layout; ``clear_cache()`` drops the plans (and re-reads
+    ``KT_REGROUP_BACKEND``).
+
+    Args:
+        groups: the keys of each output group (keys may repeat or be left out).
+        keys: one output name per group.
+        backend: ``"auto"``, ``"torch"``, ``"fbgemm"`` or ``"triton"``.
+
+    Call with a list of KeyedTensor-likes; returns ``{keys[g]: [B, sum(dims of group g)]}``.
+    """
+
+    def __init__(
+        self, groups: Sequence[Sequence[str]], keys: Sequence[str], *, backend: str = "auto"
+    ) -> None:
+        super().__init__()
+        from kt_regroup._backend import _check_name
+
+        self._groups = normalize_groups(groups)
+        self._keys = _check_names(self._groups, keys)
+        self._backend = _check_name(backend, "`backend`")
+        self._plans: dict[tuple[object, ...], _CachedPlan] = {}
+
+    @property
+    def groups(self) -> list[list[str]]:
+        """The groups given at construction."""
+        return [list(g) for g in self._groups]
+
+    def clear_cache(self) -> None:
+        """Drop every cached plan and its buffers; the next call builds a fresh one."""
+        for cached in self._plans.values():
+            for name in cached.buffers:
+                delattr(self, name)
+        self._plans.clear()
+
+    def _build(self, key: tuple[object, ...], layout: InputLayout) -> _CachedPlan:
+        plan = _plan_for(layout, self._groups, self._backend)
+        names = []
+        slot = len(self._plans)
+        while any(hasattr(self, f"_kt_plan_{slot}_0") for _ in (0,)):
+            slot += 1
+        for index, tensor in enumerate(plan.tensors):
+            name = f"_kt_plan_{slot}_{index}"
+            self.register_buffer(name, tensor, persistent=False)
+            names.append(name)
+        cached = _CachedPlan(tuple(names), plan)
+        self._plans[key] = cached
+        return cached
+
+    def forward(self, keyed_tensors: list[KeyedTensorLike]) -> dict[str, torch.Tensor]:
+        """``{name: [B, sum(dims)]}`` for every group (``[sum(dims), B]`` for ``key_dim == 0`` inputs)."""
+        if not keyed_tensors:
+            raise LayoutMismatchError("`keyed_tensors` is empty: at least one KeyedTensor is needed")
+        first = keyed_tensors[0].values()
+        key = (
+            tuple(tuple(kt.keys()) for kt in keyed_tensors),
+            tuple(tuple(kt.length_per_key()) for kt in keyed_tensors),
+            keyed_tensors[0].key_dim(),
+            first.device,
+            first.dtype,
+        )
+        cached = self._plans.get(key)
+        if cached is None and torch.compiler.is_compiling():
+            return self._traced_cold(keyed_tensors, key)
+        if cached is None:
+            cached = self._build(key, read_layout(keyed_tensors))
+        else:
+            self._check_cheap(keyed_tensors, cached.plan)
+        plan = cached.plan
+        if not plan.out_lengths:
+            return {}
+        tensors = [getattr(self, name) for name in cached.buffers]
+        if tensors and tensors[0].device != first.device:
+            # The module was moved (.to()) after the plan was made: make it again for this device.
+            for name in cached.buffers:
+                delattr(self, name)
+            del self._plans[key]
+            cached = self._build(key, read_layout(keyed_tensors))
+            tensors = [getattr(self, name) for name in cached.buffers]
+        outputs: list[torch.Tensor] = permute(
+            [kt.values() for kt in keyed_tensors],
+            tensors,
+            list(plan.meta),
+            list(plan.in_lengths),
+            list(plan.out_lengths),
+            plan.key_dim,
+            plan.backend,
+        )
+        return dict(zip(self._keys, outputs, strict=False))
+
+    def _traced_cold(
+        self, keyed_tensors: Sequence[KeyedTensorLike], key: tuple[Any, ...]
+    ) -> dict[str, torch.Tensor]:
+        """Under ``torch.compile`` with no cached plan: the plan becomes constants of the graph.
+
+        Registering buffers while dynamo traces would break the graph, so the plan is computed outside
+        the trace (``assume_constant_result``) and its index tensors are built inside the graph.
+        """
+        keys, lengths, key_dim, device, dtype = key
+        index, meta, in_lengths, out_lengths, plan_key_dim, backend = _constant_plan(
+            keys, lengths, self._groups, self._backend, key_dim, str(device), str(dtype)
+        )
+        data = PlanData(
+            index=index,  # type: ignore[arg-type]
+            meta=meta,  # type: ignore[arg-type]
+            in_lengths=in_lengths,  # type: ignore[arg-type]
+            out_lengths=out_lengths,  # type: ignore[arg-type]
+            key_dim=plan_key_dim,  # type: ignore[arg-type]
+            backend=backend,  # type: ignore[arg-type]
+        )
+        if not data.out_lengths:
+            return {}
+        outputs: list[torch.Tensor] = permute(
+            [kt.values() for kt in keyed_tensors],
+            list(make_tensors(data.index, device)),
+            list(data.meta),
+            list(data.in_lengths),
+            list(data.out_lengths),
+            data.key_dim,
+            data.backend,
+        )
+        return dict(zip(self._keys, outputs, strict=False))
+
+    @staticmethod
+    def _check_cheap(keyed_tensors: Sequence[KeyedTensorLike], plan: Plan) -> None:
+        """Per-call checks that cost O(inputs): widths, batch size, device and dtype agree."""
+        key_dim = plan.key_dim
+        first = keyed_tensors[0].values()
+        for index, (kt, width) in enumerate(zip(keyed_tensors, plan.in_lengths, strict=False)):
+            values = kt.values()
+            if values.dim() != 2 or values.size(key_dim) != width:
+                raise LengthMismatchError(
+                    f"KeyedTensor {index}'s `length_per_key` sums to {width} but its values have shape "
+                    f"{tuple(values.shape)} (key_dim={key_dim})"
+                )
+            if index and (
+                values.size(1 - key_dim) != first.size(1 - key_dim)
+                or values.device != first.device
+                or values.dtype != first.dtype
+            ):
+                read_layout(keyed_tensors)  # raises the precise LayoutMismatchError
+
+    def extra_repr(self) -> str:
+        return f"groups={len(self._groups)}, keys={list(self._keys)}, backend={self._backend!r}"
