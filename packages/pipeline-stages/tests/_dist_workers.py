@@ -121,7 +121,8 @@ class Model(nn.Module):
         self.ebc = RowShardedEmbedding(rank, world)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        return self.ebc(batch.sparse_features)
+        out: torch.Tensor = self.ebc(batch.sparse_features)
+        return out
 
 
 def batches(rank: int, count: int) -> list[Batch]:

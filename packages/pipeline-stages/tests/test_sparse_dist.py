@@ -80,7 +80,8 @@ class FakeSparse(nn.Module):
         assert dist.batch == int(features[0]), (
             f"forward of batch {int(features[0])} got input of batch {dist.batch}"
         )
-        return dist.ids.float().sum()
+        total: torch.Tensor = dist.ids.float().sum()
+        return total
 
 
 class Model(nn.Module):
@@ -90,7 +91,8 @@ class Model(nn.Module):
         self.dense = nn.Linear(2, 1)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        return self.dense(batch.dense).sum() + self.sparse(batch.sparse_features)
+        out: torch.Tensor = self.dense(batch.dense).sum() + self.sparse(batch.sparse_features)
+        return out
 
 
 def make_batches(n: int) -> list[Batch]:
@@ -241,7 +243,8 @@ def test_per_module_features_mapping() -> None:
             self.b = FakeSparse(log, "b.")
 
         def forward(self, batch: Batch) -> torch.Tensor:
-            return self.a(batch.sparse_features) + self.b(batch.sparse_features + 100)
+            out: torch.Tensor = self.a(batch.sparse_features) + self.b(batch.sparse_features + 100)
+            return out
 
     model = Two()
     sdd = SparseDataDistUtil(

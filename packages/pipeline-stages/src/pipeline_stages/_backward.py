@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -26,8 +26,6 @@ from pipeline_stages._streams import record_stream_all, stream_context
 from pipeline_stages.errors import InvalidStageError
 
 __all__ = ["BackwardOverlap"]
-
-_T = TypeVar("_T")
 
 
 class BackwardOverlap:
@@ -62,11 +60,11 @@ class BackwardOverlap:
             return None
         stream = self._streams.get(name)
         if stream is None:
-            stream = torch.cuda.Stream(device=device)
+            stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # unannotated in torch
             self._streams[name] = stream
         return stream
 
-    def run(self, name: str, module: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    def run(self, name: str, module: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``module(*args, **kwargs)`` on module ``name``'s stream and cut its outputs.
 
         Args:
@@ -138,7 +136,7 @@ class BackwardOverlap:
         stream reads gradients they produce (non-fused embedding parameters).
         """
         cuts, self._cuts = self._cuts, {}
-        loss.backward(retain_graph=retain_graph)
+        loss.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]  # Tensor.backward is unannotated
         for name in reversed(list(cuts)):
             pairs = [(out, leaf.grad) for out, leaf in cuts[name] if leaf.grad is not None]
             if not pairs:

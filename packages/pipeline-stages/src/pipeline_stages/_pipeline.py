@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from pipeline_stages._stage import PipelineStage
-from pipeline_stages._streams import new_event, record_stream_all, stream_context
+from pipeline_stages._streams import new_event, profiler_enabled, record_stream_all, stream_context
 from pipeline_stages.errors import DuplicateStageNameError, InvalidStageError, StageError
 
 __all__ = ["StageStats", "StagedTrainPipeline"]
@@ -92,7 +92,7 @@ class _StageTimer:
         for start, end in self.pending:
             if block:
                 end.synchronize()
-            if block or end.query():
+            if block or end.query():  # type: ignore[no-untyped-call]  # unannotated in torch
                 self.device_ms += start.elapsed_time(end)
                 self.device_count += 1
             else:
@@ -327,7 +327,7 @@ class StagedTrainPipeline:
     ) -> None:
         stage = self._stages[stage_idx]
         timer = self._timers[stage_idx]
-        profiling = torch.autograd._profiler_enabled()
+        profiling = profiler_enabled()
         if stage_idx == 0:
             slot = self._next_batch(dataloader_iter)
         else:
@@ -439,7 +439,7 @@ class StagedTrainPipeline:
             self._pulled = 0
         if self._exhausted or self._flushing:
             return _EXHAUSTED
-        if torch.autograd._profiler_enabled():
+        if profiler_enabled():
             with record_function("## next_batch ##"):
                 batch = next(dataloader_iter, None)
         else:

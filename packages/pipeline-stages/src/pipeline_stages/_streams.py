@@ -14,7 +14,7 @@ import torch
 
 from pipeline_stages.interfaces import Pipelineable
 
-__all__ = ["new_event", "record_stream_all", "stream_context"]
+__all__ = ["new_event", "profiler_enabled", "record_stream_all", "stream_context"]
 
 # Leaf types that never hold tensors: skipped without further checks (hot path).
 _ATOMS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device)
@@ -66,8 +66,13 @@ def stream_context(stream: torch.cuda.Stream | None) -> contextlib.AbstractConte
     return torch.cuda.stream(stream)
 
 
+def profiler_enabled() -> bool:
+    """Whether a torch (autograd / kineto) profiler is recording: record_function ranges only then."""
+    return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]  # private, not re-exported
+
+
 def new_event(stream: torch.cuda.Stream, *, timing: bool = False) -> torch.cuda.Event:
     """A fresh CUDA event recorded on ``stream``."""
-    event = torch.cuda.Event(enable_timing=timing)
+    event = torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]  # unannotated in torch
     event.record(stream)
     return event

@@ -9,7 +9,6 @@ original with ``raise ... from``.
 from __future__ import annotations
 
 import builtins
-import functools
 from typing import cast
 
 __all__ = [
@@ -92,18 +91,28 @@ def _nearest_builtin(kind: type[BaseException]) -> type[Exception]:
             and issubclass(base, Exception)
             and getattr(builtins, base.__name__, None) is base
         ):
-            return base
+            return cast("type[Exception]", base)
     return Exception
 
 
-@functools.cache
+_MIXED: dict[type[Exception], type[StageError]] = {}
+
+
 def _stage_error_type(builtin: type[Exception]) -> type[StageError]:
     """``StageError`` mixed with ``builtin`` (cached per builtin); plain ``StageError`` if they cannot mix."""
-    if builtin is Exception:
-        return StageError
-    try:
-        mixed = type(f"Stage{builtin.__name__}", (StageError, builtin), {"__module__": __name__})
-        mixed("probe")  # some builtins (e.g. UnicodeDecodeError) need constructor arguments: no mix then
-    except TypeError:
-        return StageError
-    return cast("type[StageError]", mixed)
+    cached = _MIXED.get(builtin)
+    if cached is not None:
+        return cached
+    mixed: type[StageError] = StageError
+    if builtin is not Exception:
+        try:
+            candidate = cast(
+                "type[StageError]",
+                type(f"Stage{builtin.__name__}", (StageError, builtin), {"__module__": __name__}),
+            )
+            candidate("probe")  # some builtins (e.g. UnicodeDecodeError) need more constructor arguments
+            mixed = candidate
+        except TypeError:
+            mixed = StageError
+    _MIXED[builtin] = mixed
+    return mixed
