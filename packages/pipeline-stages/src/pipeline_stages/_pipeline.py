@@ -190,6 +190,7 @@ class StagedTrainPipeline:
         self._flushing = False
         self._pulled = 0
         self._timers = [_StageTimer(stage.name) for stage in stages]
+        self._profiling = False
 
     # ---------------------------------------------------------------- public API
 
@@ -274,6 +275,7 @@ class StagedTrainPipeline:
     # ---------------------------------------------------------------- schedule
 
     def _progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._profiling = profiler_enabled()  # once per step: record_function ranges only under a profiler
         if dataloader_iter is not self._iter and self._initialized and self._drained():
             # A new epoch after the previous one drained: refill now instead of returning None n times.
             self._initialized = False
@@ -327,7 +329,7 @@ class StagedTrainPipeline:
     ) -> None:
         stage = self._stages[stage_idx]
         timer = self._timers[stage_idx]
-        profiling = profiler_enabled()
+        profiling = self._profiling
         if stage_idx == 0:
             slot = self._next_batch(dataloader_iter)
         else:
@@ -439,7 +441,7 @@ class StagedTrainPipeline:
             self._pulled = 0
         if self._exhausted or self._flushing:
             return _EXHAUSTED
-        if profiler_enabled():
+        if self._profiling:
             with record_function("## next_batch ##"):
                 batch = next(dataloader_iter, None)
         else:
