@@ -156,7 +156,7 @@ def test_steady_state_step_approaches_max_stage_time() -> None:
         [PipelineStage(f"s{i}", work, stream=streams[i]) for i in range(3)], device_timing=True
     )
     steps = 30
-    data = [torch.zeros(1, device="cuda") for _ in range(steps + 5)]
+    data = [torch.zeros(1, device="cuda") for _ in range(steps + 10)]
     it = iter(data)
     for _ in range(5):  # fill + warm-up
         pipeline.progress(it)

@@ -298,12 +298,12 @@ class StagedTrainPipeline:
             record_stream_all(out.batch, self._compute_stream)
 
         if out.batch is None:
-            if self._flushing:
-                self.flush_end()
-                return self._progress(dataloader_iter)
             if not self._drained():
                 # A bubble (a flush ended by hand, or a new iterator while draining): batches are still in
                 # flight behind it, so step again instead of ending the caller's loop early.
+                return self._progress(dataloader_iter)
+            if self._flushing:
+                self.flush_end()
                 return self._progress(dataloader_iter)
         return out.batch
 
