@@ -150,3 +150,13 @@ def test_debug_mode_logs_each_stage(caplog: pytest.LogCaptureFixture) -> None:
     assert "stage 0 `copy`: batch 0" in text
     assert "fill_callback" in text
     assert "skipped" in text
+
+
+def test_stop_iteration_from_a_stage_does_not_look_like_exhaustion() -> None:
+    """A StopIteration raised by a stage is a StageError but not a StopIteration (it would end loops)."""
+    original = StopIteration("oops")
+    pipeline = StagedTrainPipeline([PipelineStage("s", failing(0, original))])
+    with pytest.raises(StageError) as info:
+        pipeline.progress(iter(range(2)))
+    assert not isinstance(info.value, StopIteration)
+    assert info.value.__cause__ is original

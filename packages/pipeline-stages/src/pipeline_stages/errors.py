@@ -104,7 +104,8 @@ def _stage_error_type(builtin: type[Exception]) -> type[StageError]:
     if cached is not None:
         return cached
     mixed: type[StageError] = StageError
-    if builtin is not Exception:
+    # StopIteration-like types end loops silently when they escape: never let a stage failure look like one.
+    if builtin is not Exception and not issubclass(builtin, (StopIteration, StopAsyncIteration)):
         try:
             candidate = cast(
                 "type[StageError]",
