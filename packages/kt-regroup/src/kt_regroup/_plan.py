@@ -204,7 +204,10 @@ def _triton_plan(spec: RegroupSpec) -> tuple[list[IndexData], list[int]]:
     input column exactly once; a tile sums its ``occ_count`` occurrences ``occ[occ_start + j] = [out,
     out_col]`` in group order (no atomics), or writes zeros when the key is in no group.
     """
-    block = TRITON_BLOCK_D
+    longest = max((length for _, _, length in spec.key_segments), default=1)
+    block = 16
+    while block < min(longest, TRITON_BLOCK_D):
+        block *= 2
     fwd = []
     for entry in spec.entries:
         for start in range(0, entry.length, block):

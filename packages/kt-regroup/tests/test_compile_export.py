@@ -1,0 +1,82 @@
+"""torch.compile(fullgraph=True) and torch.export of a model that uses KTRegroupAsDict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kt_regroup import KeyedTensor, KTRegroupAsDict, available_backends
+
+GROUPS = [["a", "c", "a"], ["b"], []]
+
+
+class _Model(nn.Module):
+    """Builds KeyedTensors from plain tensors, regroups them, reduces each group."""
+
+    def __init__(self, backend: str) -> None:
+        super().__init__()
+        self.regroup = KTRegroupAsDict(GROUPS, ["x", "y", "z"], backend=backend)
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        kts = [KeyedTensor(["a", "b"], [2, 3], dense), KeyedTensor(["c", "d"], [4, 1], sparse)]
+        out = self.regroup(kts)
+        return out["x"].sum(1) * 2 + out["y"].sum(1) + out["z"].sum(1)
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(4, 5, generator=gen, requires_grad=True),
+        torch.randn(4, 5, generator=gen, requires_grad=True),
+    )
+
+
+@pytest.mark.parametrize("backend", available_backends("cpu"), ids=available_backends("cpu"))
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_compile_fullgraph_matches_eager(backend: str, warm: bool) -> None:
+    """fullgraph=True compiles (no graph break), cold or with a cached plan; values and grads match."""
+    torch._dynamo.reset()
+    model = _Model(backend)
+    dense, sparse = _inputs()
+    expected = model(dense, sparse)
+    expected.sum().backward()
+    grads = (dense.grad, sparse.grad)
+    dense.grad = sparse.grad = None
+    target = model if warm else _Model(backend)
+    compiled = torch.compile(target, fullgraph=True, backend="aot_eager")
+    got = compiled(dense, sparse)
+    torch.testing.assert_close(got, expected)
+    got.sum().backward()
+    torch.testing.assert_close((dense.grad, sparse.grad), grads)
+
+
+def test_export_has_no_string_arguments() -> None:
+    """torch.export exports the model; the graph calls kt_regroup::permute and runs like eager."""
+    model = _Model("torch")
+    dense, sparse = _inputs()
+    model(dense, sparse)
+    exported = torch.export.export(model, (dense.detach(), sparse.detach()))
+    targets = [str(node.target) for node in exported.graph.nodes if node.op == "call_function"]
+    assert "kt_regroup.permute.default" in targets
+    torch.testing.assert_close(
+        exported.module()(dense.detach(), sparse.detach()), model(dense, sparse).detach()
+    )
+
+
+def test_export_with_keyed_tensor_inputs() -> None:
+    """KeyedTensors are pytree nodes, so they can be the exported module's inputs."""
+
+    class Direct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.regroup = KTRegroupAsDict([["c", "a"]], ["g"])
+
+        def forward(self, first: KeyedTensor, second: KeyedTensor) -> torch.Tensor:
+            return self.regroup([first, second])["g"]
+
+    first = KeyedTensor(["a", "b"], [2, 3], torch.randn(4, 5))
+    second = KeyedTensor(["c"], [4], torch.randn(4, 4))
+    model = Direct()
+    exported = torch.export.export(model, (first, second))
+    torch.testing.assert_close(exported.module()(first, second), model(first, second))
