@@ -1,8 +1,32 @@
-"""Variable-batch (VBE) pooled embedding lookup over several kernels into one pre-allocated output, and a table-wise sharded module."""
+"""Variable-batch (VBE) pooled embedding lookup over several kernels into one pre-allocated output.
+
+- :class:`VBEFeatures`: immutable variable-batch sparse features (feature → rank → sample).
+- :class:`TorchEmbeddingKernel`: pure-PyTorch table-batched kernel with fbgemm TBE's forward signature
+  and a fused optimizer (the reference, and the fallback without fbgemm).
+- :class:`KernelGroup`, :class:`GroupedVBELookup`, :class:`VBEOutput`: one lookup over several kernels
+  (fbgemm TBEs, key-value tables, ...) writing one 1-D output, rank → kernel → feature → sample → dim.
+- :mod:`vbe_lookup.interfaces`: the Protocols consumed (``KeyedJaggedTensorLike``, ``EmbeddingKernel``,
+  ``PrefetchableKernel``); :mod:`vbe_lookup.errors`: the exceptions.
+"""
 
 from __future__ import annotations
 
+from vbe_lookup._features import VBEFeatures
+from vbe_lookup._grouped import GroupedVBELookup, KernelGroup, VBEOutput
+from vbe_lookup._torch_kernel import TorchEmbeddingKernel
 from vbe_lookup._version import __version__
 from vbe_lookup.errors import VBELookupError
+from vbe_lookup.interfaces import EmbeddingKernel, KeyedJaggedTensorLike, PrefetchableKernel
 
-__all__ = ["VBELookupError", "__version__"]
+__all__ = [
+    "EmbeddingKernel",
+    "GroupedVBELookup",
+    "KernelGroup",
+    "KeyedJaggedTensorLike",
+    "PrefetchableKernel",
+    "TorchEmbeddingKernel",
+    "VBEFeatures",
+    "VBELookupError",
+    "VBEOutput",
+    "__version__",
+]

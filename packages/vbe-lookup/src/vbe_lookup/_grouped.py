@@ -1,0 +1,649 @@
+"""``GroupedVBELookup``: one VBE pooled lookup over several kernels into one pre-allocated 1-D output.
+
+Output order (fbgemm's merged-VBE order): rank → kernel group → feature within the group → sample →
+dim. The ``[R, F]`` start offsets of every (rank, feature) block are computed once per distinct
+batch-size layout and cached on the device, so a step does no host sync and no ``.item()``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from vbe_lookup import _fbgemm
+from vbe_lookup._compat import eager_only
+from vbe_lookup._features import complete_cumsum
+from vbe_lookup._torch_kernel import TorchEmbeddingKernel
+from vbe_lookup.errors import (
+    BatchLayoutError,
+    ConfigurationError,
+    DimensionMismatchError,
+    FeatureCoverageError,
+    IndexOutOfRangeError,
+    InvalidFeaturesError,
+)
+from vbe_lookup.interfaces import EmbeddingKernel, KeyedJaggedTensorLike
+
+__all__ = ["CheckIndices", "GroupedVBELookup", "KernelGroup", "Merge", "VBEOutput"]
+
+Merge = Literal["preallocated", "legacy"]
+CheckIndices = Literal["auto", "always", "never"]
+
+_MAX_CACHED_LAYOUTS = 64
+_UNBOUNDED_ROWS = 2**62
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KernelGroup:
+    """One kernel and the features it serves, in the kernel's feature order.
+
+    Args:
+        kernel: an :class:`~vbe_lookup.interfaces.EmbeddingKernel` (fbgemm TBE,
+            :class:`~vbe_lookup.TorchEmbeddingKernel`, a key-value table adapter, ...).
+        features: the kernel's feature names; feature ``i`` of the kernel is ``features[i]``.
+        dims: embedding dim of each feature (checked against the kernel when it describes its tables).
+        num_embeddings: optional rows of each feature's table, for id range checks; taken from the
+            kernel when it describes its tables (fbgemm TBE, ``TorchEmbeddingKernel``).
+    """
+
+    kernel: EmbeddingKernel
+    features: Sequence[str]
+    dims: Sequence[int]
+    num_embeddings: Sequence[int] | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", tuple(self.features))
+        object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
+        if not self.features:
+            raise ConfigurationError("a KernelGroup needs at least one feature in `features`")
+        if len(set(self.features)) != len(self.features):
+            raise ConfigurationError(f"`features` repeats a name: {list(self.features)}")
+        if len(self.dims) != len(self.features):
+            raise DimensionMismatchError(
+                f"`dims` has {len(self.dims)} entries for {len(self.features)} `features` {list(self.features)}"
+            )
+        if any(d <= 0 for d in self.dims):
+            raise DimensionMismatchError(f"`dims` must be positive, got {list(self.dims)}")
+        kernel_dims = _kernel_feature_dims(self.kernel)
+        if kernel_dims is not None and list(kernel_dims) != list(self.dims):
+            raise DimensionMismatchError(
+                f"`dims` {list(self.dims)} for features {list(self.features)} disagree with the kernel's "
+                f"feature dims {kernel_dims}"
+            )
+        rows = self.num_embeddings
+        if rows is None:
+            rows = _kernel_feature_rows(self.kernel)
+        if rows is not None:
+            rows = tuple(int(n) for n in rows)
+            if len(rows) != len(self.features):
+                raise ConfigurationError(
+                    f"`num_embeddings` has {len(rows)} entries for {len(self.features)} `features`"
+                )
+        object.__setattr__(self, "num_embeddings", rows)
+
+
+def _kernel_feature_dims(kernel: object) -> list[int] | None:
+    if isinstance(kernel, TorchEmbeddingKernel):
+        return kernel.feature_dims()
+    if _fbgemm.is_fbgemm_tbe(kernel):
+        return _fbgemm.tbe_feature_dims(kernel)
+    dims = getattr(kernel, "feature_dims", None)
+    if callable(dims):
+        value = dims()
+        if isinstance(value, Sequence):
+            return [int(d) for d in value]
+    return None
+
+
+def _kernel_feature_rows(kernel: object) -> list[int] | None:
+    if isinstance(kernel, TorchEmbeddingKernel):
+        return kernel.feature_num_embeddings()
+    if _fbgemm.is_fbgemm_tbe(kernel):
+        return _fbgemm.tbe_feature_num_embeddings(kernel)
+    return None
+
+
+def _kernel_output_dtype(kernel: object) -> torch.dtype | None:
+    if isinstance(kernel, TorchEmbeddingKernel):
+        return kernel.output_dtype
+    if _fbgemm.is_fbgemm_tbe(kernel):
+        return _fbgemm.tbe_output_dtype(kernel)
+    dtype = getattr(kernel, "output_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _kernel_kind(kernel: object) -> str:
+    """``fbgemm-cuda`` (writes in place on CUDA), ``fbgemm-cpu``, ``in-place`` (always) or ``other``."""
+    if _fbgemm.is_fbgemm_tbe(kernel):
+        return "fbgemm-cpu" if _fbgemm.tbe_uses_cpu(kernel) else "fbgemm-cuda"
+    if getattr(kernel, "supports_vbe_output", False) is True:
+        return "in-place"
+    return "other"
+
+
+class VBEOutput:
+    """Pooled VBE output of a :class:`GroupedVBELookup`: one 1-D tensor, rank → feature → sample → dim.
+
+    The feature order (``keys()``) is kernel group by kernel group, each group's features in its order;
+    it is the same for every rank. Block (rank ``r``, feature ``f``) holds
+    ``batch_size_per_feature_per_rank()[f][r] * dims()[f]`` elements starting at ``offsets()[r, f]``.
+    """
+
+    __slots__ = ("_batch_sizes", "_dims", "_keys", "_offsets", "_offsets_host", "_size_per_rank", "_values")
+
+    def __init__(
+        self,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        keys: tuple[str, ...],
+        dims: tuple[int, ...],
+        batch_sizes: tuple[tuple[int, ...], ...],
+        offsets_host: tuple[tuple[int, ...], ...],
+        size_per_rank: tuple[int, ...],
+    ) -> None:
+        self._values = values
+        self._offsets = offsets
+        self._keys = keys
+        self._dims = dims
+        self._batch_sizes = batch_sizes
+        self._offsets_host = offsets_host
+        self._size_per_rank = size_per_rank
+
+    def __repr__(self) -> str:
+        return (
+            f"VBEOutput(values={tuple(self._values.shape)} {self._values.dtype}, keys={list(self._keys)}, "
+            f"dims={list(self._dims)}, ranks={len(self._size_per_rank)})"
+        )
+
+    def values(self) -> torch.Tensor:
+        """``[sum over r, f of B[f][r] * dims[f]]`` pooled embeddings (autograd reaches every kernel)."""
+        return self._values
+
+    def offsets(self) -> torch.Tensor:
+        """``[R, F]`` int64 start of each (rank, feature) block, on the output's device (cached)."""
+        return self._offsets
+
+    def offsets_list(self) -> list[list[int]]:
+        """``offsets()`` on the host (no sync: it was computed there)."""
+        return [list(row) for row in self._offsets_host]
+
+    def keys(self) -> list[str]:
+        """Feature order of the output: kernel group → feature within the group."""
+        return list(self._keys)
+
+    def dims(self) -> list[int]:
+        """Embedding dim per feature, in ``keys()`` order."""
+        return list(self._dims)
+
+    def batch_size_per_feature_per_rank(self) -> list[list[int]]:
+        """``[F][R]`` batch sizes, in ``keys()`` order."""
+        return [list(row) for row in self._batch_sizes]
+
+    def size_per_rank(self) -> list[int]:
+        """Number of output elements destined to each rank (the output all-to-all's split sizes)."""
+        return list(self._size_per_rank)
+
+    def values_per_rank(self) -> list[torch.Tensor]:
+        """``values()`` split into each rank's contiguous block (views)."""
+        return list(torch.split(self._values, list(self._size_per_rank)))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _GroupPlan:
+    """Where one kernel group's input comes from and where its output goes, for one layout."""
+
+    bag_runs: tuple[tuple[int, int], ...]  # [start, end) ranges of input bags, in the group's order
+    feature_runs: tuple[tuple[int, int], ...]  # matching [start, end) ranges of input features
+    whole_input: bool  # the group reads every input bag, in input order
+    batch_sizes: list[list[int]]  # [F_g][R]
+    num_bags: int
+    vbe_output_offsets: torch.Tensor  # [R, F_g] int64 on the device (contiguous)
+    block_starts: tuple[int, ...]  # per rank: where this group's rank block starts in the output
+    block_sizes: tuple[int, ...]  # per rank: its size
+    placement: list[torch.Tensor]  # lazily: [size_g] long positions of the kernel's own output
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Layout:
+    """Per (keys, batch sizes, device) metadata, built on the host once and kept on the device."""
+
+    groups: tuple[_GroupPlan, ...]
+    offsets: torch.Tensor  # [R, F] int64
+    offsets_host: tuple[tuple[int, ...], ...]
+    keys: tuple[str, ...]
+    dims: tuple[int, ...]
+    batch_sizes: tuple[tuple[int, ...], ...]
+    size_per_rank: tuple[int, ...]
+    total: int
+    feature_bag_bounds: torch.Tensor  # [F_in + 1] long: first bag of each input feature
+    rows_of_feature: torch.Tensor  # [F_in] long: table rows of each input feature (2**62: unknown)
+    feature_of_bag: torch.Tensor  # [num_bags] long, input feature of every bag
+
+
+class GroupedVBELookup(nn.Module):
+    """Variable-batch pooled lookup over several kernels into one pre-allocated 1-D output.
+
+    Args:
+        groups: the kernel groups; every input feature must be in exactly one.
+        output_dtype: dtype of the output (default: the kernels' common output dtype; bf16 stays bf16).
+        merge: ``"preallocated"`` (default) writes every kernel's blocks into one buffer: fbgemm TBEs on
+            CUDA and kernels that can (``TorchEmbeddingKernel``, kernels with
+            ``supports_vbe_output = True``) write in place, chained through ``vbe_output``; any other
+            kernel's output is placed with one cached-index copy. ``"legacy"`` reproduces torchrec's
+            split/permute/cat merge for comparison. A single kernel never merges.
+        check_indices: ``"auto"`` checks ids against table rows when the ids are on the CPU (free) and
+            not on CUDA (the check needs one host sync); ``"always"`` checks everywhere (one sync per
+            step on CUDA); ``"never"`` skips it. Layout checks (coverage, dims, batch sizes vs lengths)
+            always run; they need no sync.
+        cache_fbgemm_metadata: memoise fbgemm TBEs' host-side VBE metadata per layout.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KernelGroup],
+        *,
+        output_dtype: torch.dtype | None = None,
+        merge: Merge = "preallocated",
+        check_indices: CheckIndices = "auto",
+        cache_fbgemm_metadata: bool = True,
+    ) -> None:
+        super().__init__()
+        groups = tuple(groups)
+        if not groups:
+            raise ConfigurationError("`groups` must hold at least one KernelGroup")
+        if merge not in ("preallocated", "legacy"):
+            raise ConfigurationError(f"`merge` must be 'preallocated' or 'legacy', got {merge!r}")
+        if check_indices not in ("auto", "always", "never"):
+            raise ConfigurationError(
+                f"`check_indices` must be 'auto', 'always' or 'never', got {check_indices!r}"
+            )
+        owner: dict[str, int] = {}
+        for g_i, group in enumerate(groups):
+            if not isinstance(group, KernelGroup):
+                raise ConfigurationError(f"`groups[{g_i}]` must be a KernelGroup, got {type(group).__name__}")
+            for name in group.features:
+                if name in owner:
+                    raise FeatureCoverageError(
+                        f"feature `{name}` is covered by two kernel groups ({owner[name]} and {g_i}); "
+                        "each feature must be served by exactly one kernel"
+                    )
+                owner[name] = g_i
+        self.groups = groups
+        self.merge: Merge = merge
+        self.check_indices: CheckIndices = check_indices
+        self._owner = owner
+        # Register module kernels so .to(), state_dict() and parameters() see them.
+        self.kernels = nn.ModuleList([g.kernel for g in groups if isinstance(g.kernel, nn.Module)])
+        if output_dtype is None:
+            known = [d for d in (_kernel_output_dtype(g.kernel) for g in groups) if d is not None]
+            output_dtype = known[0] if known else torch.float32
+            for dtype in known[1:]:
+                output_dtype = torch.promote_types(output_dtype, dtype)
+        self.output_dtype: torch.dtype = output_dtype
+        # Kernel kinds are fixed at construction so the forward asks no questions of fbgemm.
+        self._kinds: list[tuple[str, torch.dtype | None]] = [
+            (_kernel_kind(g.kernel), _kernel_output_dtype(g.kernel)) for g in groups
+        ]
+        if cache_fbgemm_metadata:
+            for group in groups:
+                if _fbgemm.is_fbgemm_tbe(group.kernel):
+                    _fbgemm.install_vbe_metadata_cache(group.kernel)
+        self._layouts: OrderedDict[tuple[Any, ...], _Layout] = OrderedDict()
+
+    # ------------------------------------------------------------------ layout
+    @eager_only  # host-side metadata, cached per layout: keep it out of graphs
+    def _layout(self, keys: list[str], stride: list[list[int]], device: torch.device) -> _Layout:
+        key = (tuple(keys), tuple(tuple(row) for row in stride), device)
+        layout = self._layouts.get(key)
+        if layout is not None:
+            self._layouts.move_to_end(key)
+            return layout
+        layout = self._build_layout(keys, stride, device)
+        self._layouts[key] = layout
+        if len(self._layouts) > _MAX_CACHED_LAYOUTS:
+            self._layouts.popitem(last=False)
+        return layout
+
+    def _build_layout(self, keys: list[str], stride: list[list[int]], device: torch.device) -> _Layout:
+        position = {name: i for i, name in enumerate(keys)}
+        if len(position) != len(keys):
+            raise InvalidFeaturesError(f"`keys` must be unique, got {keys}")
+        for name in keys:
+            if name not in self._owner:
+                raise FeatureCoverageError(
+                    f"feature `{name}` is covered by no kernel group (groups cover: {', '.join(self._owner)})"
+                )
+        for g_i, group in enumerate(self.groups):
+            missing = [n for n in group.features if n not in position]
+            if missing:
+                raise FeatureCoverageError(
+                    f"kernel group {g_i} needs feature(s) {', '.join(f'`{n}`' for n in missing)}, which the "
+                    f"input lacks (input keys: {', '.join(keys)})"
+                )
+        if len(stride) != len(keys):
+            raise BatchLayoutError(f"`stride_per_key_per_rank` has {len(stride)} rows for {len(keys)} keys")
+        ranks = {len(row) for row in stride}
+        if len(ranks) > 1:
+            raise BatchLayoutError(
+                f"`stride_per_key_per_rank` rows list different numbers of ranks: {stride}"
+            )
+        num_ranks = ranks.pop() if ranks else 0
+        bag_start = [0]
+        for row in stride:
+            bag_start.append(bag_start[-1] + sum(row))
+
+        out_keys: list[str] = []
+        out_dims: list[int] = []
+        out_bs: list[tuple[int, ...]] = []
+        for group in self.groups:
+            for name, dim in zip(group.features, group.dims, strict=True):
+                out_keys.append(name)
+                out_dims.append(dim)
+                out_bs.append(tuple(stride[position[name]]))
+        # Rank-major offsets: rank → group → feature → sample → dim.
+        offsets_host: list[list[int]] = []
+        size_per_rank: list[int] = []
+        cursor = 0
+        group_block_starts: list[list[int]] = [[] for _ in self.groups]
+        group_block_sizes: list[list[int]] = [[] for _ in self.groups]
+        for r in range(num_ranks):
+            rank_row: list[int] = []
+            rank_start = cursor
+            f = 0
+            for g_i, group in enumerate(self.groups):
+                group_block_starts[g_i].append(cursor)
+                for _ in group.features:
+                    rank_row.append(cursor)
+                    cursor += out_bs[f][r] * out_dims[f]
+                    f += 1
+                group_block_sizes[g_i].append(cursor - group_block_starts[g_i][-1])
+            offsets_host.append(rank_row)
+            size_per_rank.append(cursor - rank_start)
+        offsets = torch.tensor(offsets_host, dtype=torch.long).reshape(num_ranks, len(out_keys))
+        offsets_dev = _to_device(offsets, device)
+
+        plans: list[_GroupPlan] = []
+        first = 0
+        for g_i, group in enumerate(self.groups):
+            idx = [position[n] for n in group.features]
+            runs: list[tuple[int, int]] = []
+            for i in idx:
+                if runs and runs[-1][1] == i:
+                    runs[-1] = (runs[-1][0], i + 1)
+                else:
+                    runs.append((i, i + 1))
+            bag_runs = tuple((bag_start[a], bag_start[b]) for a, b in runs)
+            batch_sizes = [list(stride[i]) for i in idx]
+            n = len(group.features)
+            plans.append(
+                _GroupPlan(
+                    bag_runs=bag_runs,
+                    feature_runs=tuple(runs),
+                    whole_input=runs == [(0, len(keys))],
+                    batch_sizes=batch_sizes,
+                    num_bags=sum(sum(row) for row in batch_sizes),
+                    vbe_output_offsets=offsets_dev[:, first : first + n].contiguous(),
+                    block_starts=tuple(group_block_starts[g_i]),
+                    block_sizes=tuple(group_block_sizes[g_i]),
+                    placement=[],
+                )
+            )
+            first += n
+        rows = [_UNBOUNDED_ROWS] * len(keys)
+        for group in self.groups:
+            if group.num_embeddings is not None:
+                for name, n_rows in zip(group.features, group.num_embeddings, strict=True):
+                    rows[position[name]] = n_rows
+        per_feature_bags = torch.tensor(
+            [bag_start[i + 1] - bag_start[i] for i in range(len(keys))], dtype=torch.long
+        )
+        return _Layout(
+            groups=tuple(plans),
+            offsets=offsets_dev,
+            offsets_host=tuple(tuple(r) for r in offsets_host),
+            keys=tuple(out_keys),
+            dims=tuple(out_dims),
+            batch_sizes=tuple(out_bs),
+            size_per_rank=tuple(size_per_rank),
+            total=cursor,
+            feature_bag_bounds=_to_device(torch.tensor(bag_start, dtype=torch.long), device),
+            rows_of_feature=_to_device(torch.tensor(rows, dtype=torch.long), device),
+            feature_of_bag=_to_device(torch.arange(len(keys)).repeat_interleave(per_feature_bags), device),
+        )
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, features: KeyedJaggedTensorLike) -> VBEOutput:
+        """Look up every kernel group's features and merge into one 1-D output.
+
+        Args:
+            features: variable-batch sparse features (``VBEFeatures`` or a torchrec KJT with
+                ``stride_per_key_per_rank``), ids on the kernels' device.
+
+        Returns:
+            :class:`VBEOutput` whose ``values()`` is 1-D, rank → group → feature → sample → dim, of
+            ``output_dtype``.
+        """
+        keys = list(features.keys())
+        stride = [list(row) for row in features.stride_per_key_per_rank()]
+        values = features.values()
+        lengths = features.lengths()
+        weights = features.weights_or_none()
+        if values.dim() != 1 or lengths.dim() != 1:
+            raise InvalidFeaturesError(
+                f"`values` and `lengths` must be 1-D, got {tuple(values.shape)} and {tuple(lengths.shape)}"
+            )
+        device = values.device
+        layout = self._layout(keys, stride, device)
+        num_bags = sum(sum(row) for row in stride)
+        if lengths.numel() != num_bags:
+            raise BatchLayoutError(
+                f"`lengths` has {lengths.numel()} entries but `stride_per_key_per_rank` sums to {num_bags} bags"
+            )
+        offsets = features.offsets()
+        if self.check_indices == "always" or (self.check_indices == "auto" and device.type == "cpu"):
+            self._check_ids(layout, keys, values, lengths, offsets)
+
+        inputs = self._split_inputs(features, layout, values, lengths, offsets, weights)
+        out_values = self._run_kernels(layout, inputs, device)
+        return VBEOutput(
+            out_values,
+            layout.offsets,
+            layout.keys,
+            layout.dims,
+            layout.batch_sizes,
+            layout.offsets_host,
+            layout.size_per_rank,
+        )
+
+    @eager_only  # one host sync by design; never part of a graph
+    def _check_ids(
+        self,
+        layout: _Layout,
+        keys: list[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> None:
+        """Lengths vs ids and id ranges, fused into one flag read (one host sync on CUDA)."""
+        nnz = values.numel()
+        if offsets.numel() != lengths.numel() + 1:
+            raise BatchLayoutError(
+                f"`offsets` has {offsets.numel()} entries; expected len(lengths) + 1 = {lengths.numel() + 1}"
+            )
+        bad_lengths = (lengths < 0).any() | (offsets[-1] != nnz)
+        counts_ok = ~bad_lengths
+        # Feature of every id (valid only when the lengths add up; guarded below).
+        safe_lengths = torch.where(counts_ok, lengths, torch.zeros_like(lengths)).to(torch.long)
+        feature_of_id = torch.repeat_interleave(layout.feature_of_bag, safe_lengths)
+        if feature_of_id.numel() == nnz:
+            rows = layout.rows_of_feature[feature_of_id]
+            bad_ids = ((values < 0) | (values.to(torch.long) >= rows)).any()
+        else:
+            bad_ids = torch.zeros((), dtype=torch.bool, device=values.device)
+        flags = torch.stack([bad_lengths, bad_ids]).tolist()
+        if flags[0]:
+            total = int(offsets[-1])
+            raise BatchLayoutError(
+                f"`lengths` sum to {total} (or hold a negative length) but `values` holds {nnz} ids; the bags "
+                "described by `stride_per_key_per_rank` and `lengths` must cover `values` exactly"
+            )
+        if flags[1]:
+            rows = layout.rows_of_feature[feature_of_id]
+            bad = ((values < 0) | (values.to(torch.long) >= rows)).nonzero()
+            i = int(bad[0, 0])
+            f = int(feature_of_id[i])
+            raise IndexOutOfRangeError(
+                f"`values[{i}]` = {int(values[i])} is out of range for feature `{keys[f]}`, whose table has "
+                f"{int(layout.rows_of_feature[f])} rows ({bad.shape[0]} bad ids in all)"
+            )
+
+    def _split_inputs(
+        self,
+        features: KeyedJaggedTensorLike,
+        layout: _Layout,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
+        """Each group's (indices, offsets, weights); ``None`` for a group with no bag."""
+        need_counts = any(not p.whole_input and p.num_bags > 0 for p in layout.groups)
+        value_start: list[int] = []
+        if need_counts:
+            counts = _length_per_key(features, layout, offsets)
+            value_start = [0]
+            for n in counts:
+                value_start.append(value_start[-1] + n)
+        out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None] = []
+        for plan in layout.groups:
+            if plan.num_bags == 0:
+                out.append(None)
+                continue
+            if plan.whole_input:
+                out.append((values, offsets.to(values.dtype), weights))
+                continue
+            v_parts = [values[value_start[a] : value_start[b]] for a, b in plan.feature_runs]
+            l_parts = [lengths[a:b] for a, b in plan.bag_runs]
+            g_values = v_parts[0] if len(v_parts) == 1 else torch.cat(v_parts)
+            g_lengths = l_parts[0] if len(l_parts) == 1 else torch.cat(l_parts)
+            g_weights = None
+            if weights is not None:
+                w_parts = [weights[value_start[a] : value_start[b]] for a, b in plan.feature_runs]
+                g_weights = w_parts[0] if len(w_parts) == 1 else torch.cat(w_parts)
+            out.append((g_values, complete_cumsum(g_lengths.to(values.dtype)), g_weights))
+        return out
+
+    def _writes_in_place(self, g_i: int, device: torch.device) -> bool:
+        """Whether kernel ``g_i`` can write its blocks straight into the shared output on ``device``."""
+        kind, dtype = self._kinds[g_i]
+        if dtype not in (None, self.output_dtype):
+            return False
+        if kind == "fbgemm-cuda":
+            return device.type == "cuda"
+        return kind == "in-place"
+
+    def _run_kernels(
+        self,
+        layout: _Layout,
+        inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None],
+        device: torch.device,
+    ) -> torch.Tensor:
+        dtype = self.output_dtype
+        if len(self.groups) == 1:
+            # A single kernel never merges: its own VBE output is already in the final order.
+            item = inputs[0]
+            if item is None:
+                return torch.zeros(layout.total, dtype=dtype, device=device)
+            y = _call(self.groups[0].kernel, item, layout.groups[0].batch_sizes)
+            return y.reshape(-1).to(dtype)
+        if self.merge == "legacy":
+            return self._legacy_merge(layout, inputs, device)
+        out = torch.empty(layout.total, dtype=dtype, device=device)
+        for g_i, (group, plan, item) in enumerate(zip(self.groups, layout.groups, inputs, strict=True)):
+            if item is None:
+                continue  # no bag on any rank: its blocks are empty
+            if self._writes_in_place(g_i, device):
+                out = _call(group.kernel, item, plan.batch_sizes, out, plan.vbe_output_offsets).reshape(-1)
+            else:
+                y = _call(group.kernel, item, plan.batch_sizes).reshape(-1).to(dtype)
+                out = out.index_copy_(0, _placement(plan, device), y)
+        return out
+
+    def _legacy_merge(
+        self,
+        layout: _Layout,
+        inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None],
+        device: torch.device,
+    ) -> torch.Tensor:
+        """torchrec's ``_merge_variable_batch_embeddings``: split every output per rank, cat rank-major."""
+        dtype = self.output_dtype
+        per_group: list[list[torch.Tensor]] = []
+        for group, plan, item in zip(self.groups, layout.groups, inputs, strict=True):
+            if item is None:
+                y = torch.zeros(0, dtype=dtype, device=device)
+            else:
+                y = _call(group.kernel, item, plan.batch_sizes).reshape(-1).to(dtype)
+            per_group.append(list(torch.split(y, list(plan.block_sizes))))
+        num_ranks = len(layout.size_per_rank)
+        pieces = [per_group[g][r] for r in range(num_ranks) for g in range(len(self.groups))]
+        if not pieces:
+            return torch.zeros(0, dtype=dtype, device=device)
+        return torch.cat(pieces)
+
+
+def _call(
+    kernel: EmbeddingKernel,
+    item: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    batch_sizes: list[list[int]],
+    vbe_output: torch.Tensor | None = None,
+    vbe_output_offsets: torch.Tensor | None = None,
+) -> torch.Tensor:
+    indices, offsets, weights = item
+    if vbe_output is None:
+        return kernel(
+            indices, offsets, per_sample_weights=weights, batch_size_per_feature_per_rank=batch_sizes
+        )
+    return kernel(
+        indices,
+        offsets,
+        per_sample_weights=weights,
+        batch_size_per_feature_per_rank=batch_sizes,
+        vbe_output=vbe_output,
+        vbe_output_offsets=vbe_output_offsets,
+    )
+
+
+def _placement(plan: _GroupPlan, device: torch.device) -> torch.Tensor:
+    """``[size_g]`` output positions of a kernel's own VBE output (rank blocks), cached per layout."""
+    if not plan.placement:
+        starts = torch.tensor(plan.block_starts, dtype=torch.long)
+        sizes = torch.tensor(plan.block_sizes, dtype=torch.long)
+        total = int(sizes.sum())
+        own_starts = torch.cumsum(sizes, 0) - sizes
+        shift = torch.repeat_interleave(starts - own_starts, sizes, output_size=total)
+        plan.placement.append(_to_device(torch.arange(total) + shift, device))
+    return plan.placement[0]
+
+
+@eager_only  # host-side ints (a D2H copy when the producer did not supply them)
+def _length_per_key(features: KeyedJaggedTensorLike, layout: _Layout, offsets: torch.Tensor) -> list[int]:
+    """Host-side ids per input feature: from the producer when it knows them, else one D2H copy."""
+    getter = getattr(features, "length_per_key_or_none", None)
+    if callable(getter):
+        known = getter()
+        if known is not None:
+            return [int(n) for n in known]
+    at = offsets.to(torch.long)[layout.feature_bag_bounds]
+    return [int(n) for n in (at[1:] - at[:-1]).tolist()]
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host → device without blocking the host (pinned staging on CUDA)."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

@@ -1,0 +1,613 @@
+"""``TorchEmbeddingKernel``: a pure-PyTorch table-batched pooled embedding kernel with TBE's signature.
+
+It is the reference the other kernels are tested against and the fallback where fbgemm is missing
+(CUDA included). Like fbgemm's TBE, the optimizer is fused into the backward: when the gradient of the
+pooled output reaches the kernel, the touched rows are updated in place and no ``.grad`` is stored.
+
+Storage: the tables are grouped by embedding dim; each dim has one ``[rows, D]`` tensor holding its
+tables one after the other, and ``split_embedding_weights()`` hands out row-range views of them. A
+forward runs one ``F.embedding_bag`` per distinct dim over all bags (ids of features of other dims are
+weighted 0), then writes the bags into the 1-D VBE output with one cached-index copy per dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vbe_lookup._compat import eager_only
+from vbe_lookup.errors import BatchLayoutError, ConfigurationError
+
+__all__ = ["Optimizer", "Pooling", "TorchEmbeddingKernel"]
+
+Pooling = Literal["sum", "mean"]
+Optimizer = Literal["sgd", "rowwise_adagrad"]
+
+_MAX_CACHED_LAYOUTS = 64
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _DimGroup:
+    """Tables of one embedding dim, stored one after the other in one ``[rows, dim]`` tensor."""
+
+    dim: int
+    tables: tuple[int, ...]
+    row_offsets: tuple[int, ...]  # first row of each table in the group's tensor
+    rows: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _GroupLayout:
+    """Where the bags of one dim group go, for one batch-size layout (all on the kernel's device)."""
+
+    bag_index: torch.Tensor | None  # [n] long: the group's bags among all bags (None: every bag)
+    block_of_bag: torch.Tensor  # [n] long: flat [R, F] block (rank * F + feature) of each bag
+    local_start: torch.Tensor  # [n] long: sample * dim inside the block
+    positions: torch.Tensor  # [n, dim] long: element positions in the kernel's own output
+    dim: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Layout:
+    """Per batch-size-layout metadata, computed once on the host and cached on the device."""
+
+    num_bags: int
+    bag_feature: torch.Tensor  # [num_bags] long
+    groups: tuple[_GroupLayout | None, ...]  # per dim group; None when it has no bag
+    output_size: int
+    output_shape: tuple[int, ...]
+    num_ranks: int
+
+
+class TorchEmbeddingKernel(nn.Module):
+    """Pure-PyTorch pooled embedding kernel with fbgemm TBE's forward signature and fused optimizer.
+
+    Args:
+        num_embeddings: rows of each table (an int for one table).
+        embedding_dims: dim of each table (an int: the same dim for every table).
+        feature_table_map: table of each feature (default: feature ``i`` reads table ``i``).
+        pooling: ``"sum"`` or ``"mean"`` (mean divides by the bag length; an empty bag gives 0).
+        optimizer: ``"sgd"`` or ``"rowwise_adagrad"`` fused into the backward (fbgemm's
+            ``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD``), or ``None``: the tables are ordinary
+            ``nn.Parameter`` s that receive dense ``.grad`` for an optimizer of your own.
+        learning_rate: step size of the fused optimizer.
+        eps: Adagrad's epsilon (``w -= lr * g / (sqrt(m) + eps)``).
+        weights_dtype: dtype of the tables (float32, float16 or bfloat16).
+        output_dtype: dtype of the pooled output (default: ``weights_dtype``).
+        device: where the tables live.
+        init_range: tables start uniform in ``[-init_range, init_range]``
+            (default ``1 / sqrt(rows)`` per table).
+    """
+
+    supports_vbe_output = True
+
+    def __init__(
+        self,
+        num_embeddings: int | Sequence[int],
+        embedding_dims: int | Sequence[int],
+        *,
+        feature_table_map: Sequence[int] | None = None,
+        pooling: Pooling = "sum",
+        optimizer: Optimizer | None = "sgd",
+        learning_rate: float = 0.01,
+        eps: float = 1.0e-8,
+        weights_dtype: torch.dtype = torch.float32,
+        output_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_range: float | None = None,
+    ) -> None:
+        super().__init__()
+        rows, dims = _table_shapes(num_embeddings, embedding_dims)
+        if pooling not in ("sum", "mean"):
+            raise ConfigurationError(f"`pooling` must be 'sum' or 'mean', got {pooling!r}")
+        if optimizer not in ("sgd", "rowwise_adagrad", None):
+            raise ConfigurationError(
+                f"`optimizer` must be 'sgd', 'rowwise_adagrad' or None, got {optimizer!r}"
+            )
+        if not (learning_rate >= 0 and math.isfinite(learning_rate)):
+            raise ConfigurationError(f"`learning_rate` must be a finite number >= 0, got {learning_rate!r}")
+        if weights_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ConfigurationError(
+                f"`weights_dtype` must be float32, float16 or bfloat16, got {weights_dtype}"
+            )
+        ftm = list(range(len(rows))) if feature_table_map is None else [int(t) for t in feature_table_map]
+        bad = [t for t in ftm if not 0 <= t < len(rows)]
+        if bad or not ftm:
+            raise ConfigurationError(
+                f"`feature_table_map` must name tables 0..{len(rows) - 1} and be non-empty, got {ftm}"
+            )
+        self.num_embeddings_per_table: tuple[int, ...] = tuple(rows)
+        self.embedding_dims_per_table: tuple[int, ...] = tuple(dims)
+        self.feature_table_map: tuple[int, ...] = tuple(ftm)
+        self.pooling: Pooling = pooling
+        self.optimizer: Optimizer | None = optimizer
+        self.learning_rate = float(learning_rate)
+        self.eps = float(eps)
+        self.weights_dtype = weights_dtype
+        self.output_dtype: torch.dtype = weights_dtype if output_dtype is None else output_dtype
+
+        groups: list[_DimGroup] = []
+        for dim in sorted(set(dims)):
+            tables = tuple(t for t in range(len(rows)) if dims[t] == dim)
+            starts = [0]
+            for t in tables:
+                starts.append(starts[-1] + rows[t])
+            groups.append(_DimGroup(dim, tables, tuple(starts[:-1]), starts[-1]))
+        self._dim_groups: tuple[_DimGroup, ...] = tuple(groups)
+        table_group = {t: (g, g_i) for g_i, g in enumerate(groups) for t in g.tables}
+        self._feature_group: tuple[int, ...] = tuple(table_group[t][1] for t in ftm)
+        self._feature_row_offset: tuple[int, ...] = tuple(
+            table_group[t][0].row_offsets[table_group[t][0].tables.index(t)] for t in ftm
+        )
+
+        for g_i, g in enumerate(groups):
+            weight = torch.empty(g.rows, g.dim, dtype=weights_dtype, device=device)
+            with torch.no_grad():
+                for t, start in zip(g.tables, g.row_offsets, strict=True):
+                    bound = init_range if init_range is not None else 1.0 / math.sqrt(max(rows[t], 1))
+                    weight[start : start + rows[t]].uniform_(-bound, bound)
+            if optimizer is None:
+                self.register_parameter(f"weights_{g_i}", nn.Parameter(weight))
+            else:
+                self.register_buffer(f"weights_{g_i}", weight)
+            if optimizer == "rowwise_adagrad":
+                self.register_buffer(
+                    f"momentum_{g_i}", torch.zeros(g.rows, dtype=torch.float32, device=device)
+                )
+        # Constant per-feature metadata, moved with the module (non-persistent: not model state).
+        self.register_buffer(
+            "_feature_row_offset_t",
+            torch.tensor(self._feature_row_offset, dtype=torch.long, device=device),
+            persistent=False,
+        )
+        self.register_buffer(
+            "_feature_group_t",
+            torch.tensor(self._feature_group, dtype=torch.long, device=device),
+            persistent=False,
+        )
+        self._layouts: OrderedDict[tuple[Any, ...], _Layout] = OrderedDict()
+
+    _feature_row_offset_t: torch.Tensor
+    _feature_group_t: torch.Tensor
+
+    # ------------------------------------------------------------------ description
+    @property
+    def num_features(self) -> int:
+        """Number of features (``len(feature_table_map)``)."""
+        return len(self.feature_table_map)
+
+    def feature_dims(self) -> list[int]:
+        """Embedding dim of each feature."""
+        return [self.embedding_dims_per_table[t] for t in self.feature_table_map]
+
+    def feature_num_embeddings(self) -> list[int]:
+        """Rows of the table each feature reads."""
+        return [self.num_embeddings_per_table[t] for t in self.feature_table_map]
+
+    def _weights(self, g_i: int) -> torch.Tensor:
+        weight = getattr(self, f"weights_{g_i}")
+        assert isinstance(weight, torch.Tensor)
+        return weight
+
+    def _momentum(self, g_i: int) -> torch.Tensor:
+        momentum = getattr(self, f"momentum_{g_i}")
+        assert isinstance(momentum, torch.Tensor)
+        return momentum
+
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        """One ``[rows_t, dim_t]`` tensor per table: writable views of the storage (no autograd)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(self.num_embeddings_per_table)
+        for g_i, g in enumerate(self._dim_groups):
+            weight = self._weights(g_i).detach()
+            for t, start in zip(g.tables, g.row_offsets, strict=True):
+                out[t] = weight[start : start + self.num_embeddings_per_table[t]]
+        return out
+
+    def split_optimizer_states(self) -> list[torch.Tensor]:
+        """Row-wise Adagrad: one ``[rows_t]`` float32 momentum view per table; otherwise an empty list."""
+        if self.optimizer != "rowwise_adagrad":
+            return []
+        out: list[torch.Tensor] = [torch.empty(0)] * len(self.num_embeddings_per_table)
+        for g_i, g in enumerate(self._dim_groups):
+            momentum = self._momentum(g_i)
+            for t, start in zip(g.tables, g.row_offsets, strict=True):
+                out[t] = momentum[start : start + self.num_embeddings_per_table[t]]
+        return out
+
+    # ------------------------------------------------------------------ layout
+    @eager_only  # host-side metadata, cached per layout: keep it out of graphs
+    def _layout(self, num_bags: int, batch_sizes: list[list[int]] | None, device: torch.device) -> _Layout:
+        key: tuple[Any, ...] = (
+            num_bags,
+            None if batch_sizes is None else tuple(tuple(row) for row in batch_sizes),
+            device,
+        )
+        layout = self._layouts.get(key)
+        if layout is not None:
+            self._layouts.move_to_end(key)
+            return layout
+        layout = self._build_layout(num_bags, batch_sizes, device)
+        self._layouts[key] = layout
+        if len(self._layouts) > _MAX_CACHED_LAYOUTS:
+            self._layouts.popitem(last=False)
+        return layout
+
+    def _build_layout(
+        self, num_bags: int, batch_sizes: list[list[int]] | None, device: torch.device
+    ) -> _Layout:
+        n_features = self.num_features
+        dims = self.feature_dims()
+        if batch_sizes is None:
+            if num_bags % n_features:
+                raise BatchLayoutError(
+                    f"`offsets` holds {num_bags} bags, not a multiple of the {n_features} features; "
+                    "pass `batch_size_per_feature_per_rank` for variable batch sizes"
+                )
+            batch = num_bags // n_features
+            total_dim = sum(dims)
+            dim_offset = [0]
+            for d in dims:
+                dim_offset.append(dim_offset[-1] + d)
+            # Bag (f, b) starts at b * sum(dims) + dim_offset[f]; "block" = feature, rank 0.
+            bag_feature = torch.arange(n_features).repeat_interleave(batch)
+            sample = torch.arange(batch).repeat(n_features)
+            block_start = torch.tensor(dim_offset[:-1], dtype=torch.long)
+            block_of_bag = bag_feature.clone()
+            local = sample * total_dim
+            output_size, num_ranks = batch * total_dim, 1
+            output_shape: tuple[int, ...] = (batch, total_dim)
+        else:
+            num_ranks = len(batch_sizes[0]) if batch_sizes else 0
+            per_feature = [sum(row) for row in batch_sizes]
+            bag_feature = torch.arange(n_features).repeat_interleave(
+                torch.tensor(per_feature, dtype=torch.long)
+            )
+            sizes = torch.tensor(
+                [[batch_sizes[f][r] * dims[f] for f in range(n_features)] for r in range(num_ranks)],
+                dtype=torch.long,
+            ).reshape(-1)
+            block_start = torch.cumsum(sizes, 0) - sizes  # own [R, F] offsets, rank-major
+            rank_of_bag = (
+                torch.cat(
+                    [
+                        torch.arange(num_ranks).repeat_interleave(
+                            torch.tensor(batch_sizes[f], dtype=torch.long)
+                        )
+                        for f in range(n_features)
+                    ]
+                )
+                if num_bags
+                else torch.zeros(0, dtype=torch.long)
+            )
+            bag_start_of_block = torch.tensor(
+                [sum(batch_sizes[f][:r]) for f in range(n_features) for r in range(num_ranks)],
+                dtype=torch.long,
+            )
+            feature_start = torch.tensor([0, *per_feature], dtype=torch.long).cumsum(0)[:-1]
+            sample = (
+                torch.arange(num_bags)
+                - feature_start[bag_feature]
+                - bag_start_of_block[bag_feature * num_ranks + rank_of_bag]
+            )
+            block_of_bag = rank_of_bag * n_features + bag_feature
+            dim_t = torch.tensor(dims, dtype=torch.long)
+            local = sample * dim_t[bag_feature]
+            output_size = int(sizes.sum())
+            output_shape = (output_size,)
+        feature_group = torch.tensor(self._feature_group, dtype=torch.long)
+        groups: list[_GroupLayout | None] = []
+        for g_i, g in enumerate(self._dim_groups):
+            mine = feature_group[bag_feature] == g_i
+            bag_index = torch.nonzero(mine).reshape(-1)
+            if bag_index.numel() == 0:
+                groups.append(None)
+                continue
+            blocks, starts = block_of_bag[bag_index], local[bag_index]
+            positions = (block_start[blocks] + starts)[:, None] + torch.arange(g.dim)
+            groups.append(
+                _GroupLayout(
+                    bag_index=None if len(self._dim_groups) == 1 else bag_index.to(device),
+                    block_of_bag=blocks.to(device),
+                    local_start=starts.to(device),
+                    positions=positions.to(device),
+                    dim=g.dim,
+                )
+            )
+        return _Layout(
+            num_bags=num_bags,
+            bag_feature=bag_feature.to(device),
+            groups=tuple(groups),
+            output_size=output_size,
+            output_shape=output_shape,
+            num_ranks=num_ranks,
+        )
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+        batch_size_per_feature_per_rank: list[list[int]] | None = None,
+        vbe_output: torch.Tensor | None = None,
+        vbe_output_offsets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pooled lookup (fbgemm TBE semantics).
+
+        Args:
+            indices: ``[N]`` int32/int64 ids, bag after bag (feature → rank → sample).
+            offsets: ``[num_bags + 1]`` bag boundaries into ``indices`` (starting at 0).
+            per_sample_weights: ``[N]`` float weights multiplying each id's row, or ``None``.
+            batch_size_per_feature_per_rank: ``[F][R]`` batch sizes (VBE) or ``None`` (every feature
+                has ``num_bags / F`` samples).
+            vbe_output: 1-D tensor of ``output_dtype`` to write the VBE blocks into (VBE only).
+            vbe_output_offsets: ``[R, F]`` int64 start of block (rank ``r``, feature ``f``) in
+                ``vbe_output``, on its device.
+
+        Returns:
+            VBE: 1-D ``rank → feature → sample → dim`` output (``vbe_output`` itself when given, so
+            several kernels can chain into one buffer and one backward reaches all of them);
+            otherwise ``[B, sum(dims)]``.
+        """
+        num_bags = offsets.numel() - 1
+        if indices.dim() != 1 or offsets.dim() != 1 or num_bags < 0:
+            raise BatchLayoutError(
+                f"`indices` and `offsets` must be 1-D with len(offsets) >= 1, got {tuple(indices.shape)} "
+                f"and {tuple(offsets.shape)}"
+            )
+        batch_sizes = batch_size_per_feature_per_rank
+        if batch_sizes is not None:
+            batch_sizes = [[int(b) for b in row] for row in batch_sizes]
+            if len(batch_sizes) != self.num_features or sum(sum(row) for row in batch_sizes) != num_bags:
+                raise BatchLayoutError(
+                    f"`batch_size_per_feature_per_rank` must have {self.num_features} rows summing to the "
+                    f"{num_bags} bags of `offsets`, got {batch_sizes}"
+                )
+        if (vbe_output is None) != (vbe_output_offsets is None):
+            raise BatchLayoutError("`vbe_output` and `vbe_output_offsets` must be given together")
+        if vbe_output is not None and vbe_output_offsets is not None:
+            if batch_sizes is None:
+                raise BatchLayoutError("`vbe_output` needs `batch_size_per_feature_per_rank` (VBE)")
+            ranks = len(batch_sizes[0]) if batch_sizes else 0
+            if vbe_output.dim() != 1 or vbe_output.dtype != self.output_dtype:
+                raise BatchLayoutError(
+                    f"`vbe_output` must be a 1-D {self.output_dtype} tensor, got {vbe_output.dtype} "
+                    f"{tuple(vbe_output.shape)}"
+                )
+            if tuple(vbe_output_offsets.shape) != (ranks, self.num_features):
+                raise BatchLayoutError(
+                    f"`vbe_output_offsets` must be [{ranks}, {self.num_features}] (ranks, features), "
+                    f"got {tuple(vbe_output_offsets.shape)}"
+                )
+        if self.optimizer is None:
+            layout = self._layout(num_bags, batch_sizes, indices.device)
+            plan = _Plan(self, layout, indices, offsets, per_sample_weights, vbe_output_offsets)
+            pooled: torch.Tensor = plan.pool(
+                vbe_output, [self._weights(g_i) for g_i in range(len(self._dim_groups))]
+            )
+            return pooled
+        return _fused_lookup(
+            self, num_bags, batch_sizes, indices, offsets, per_sample_weights, vbe_output, vbe_output_offsets
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"tables={len(self.num_embeddings_per_table)}, features={self.num_features}, "
+            f"dims={sorted(set(self.embedding_dims_per_table))}, pooling={self.pooling}, "
+            f"optimizer={self.optimizer}, lr={self.learning_rate}"
+        )
+
+
+@eager_only
+def _fused_lookup(
+    kernel: TorchEmbeddingKernel,
+    num_bags: int,
+    batch_sizes: list[list[int]] | None,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    vbe_output: torch.Tensor | None,
+    vbe_output_offsets: torch.Tensor | None,
+) -> torch.Tensor:
+    """The fused-optimizer lookup. Under ``torch.compile`` it runs as one opaque eager region, like
+    fbgemm's TBE operator: its backward updates tables in place, which graphs cannot express."""
+    layout = kernel._layout(num_bags, batch_sizes, indices.device)
+    plan = _Plan(kernel, layout, indices, offsets, per_sample_weights, vbe_output_offsets)
+    # A 0-element input that requires grad, so the fused backward runs even when nothing else does.
+    placeholder = torch.zeros(0, device=indices.device, requires_grad=True)
+    out = _FusedLookup.apply(plan, placeholder, per_sample_weights, vbe_output)  # type: ignore[no-untyped-call]  # torch leaves apply untyped
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _table_shapes(
+    num_embeddings: int | Sequence[int], embedding_dims: int | Sequence[int]
+) -> tuple[list[int], list[int]]:
+    rows = [int(num_embeddings)] if isinstance(num_embeddings, int) else [int(n) for n in num_embeddings]
+    if isinstance(embedding_dims, int):
+        dims = [int(embedding_dims)] * len(rows)
+    else:
+        dims = [int(d) for d in embedding_dims]
+        if isinstance(num_embeddings, int):
+            rows = rows * len(dims)
+    if len(rows) != len(dims) or not rows:
+        raise ConfigurationError(
+            f"`num_embeddings` ({len(rows)} tables) and `embedding_dims` ({len(dims)} tables) must describe "
+            "the same non-zero number of tables"
+        )
+    if any(n <= 0 for n in rows) or any(d <= 0 for d in dims):
+        raise ConfigurationError(
+            f"every table needs rows > 0 and dim > 0, got `num_embeddings`={rows}, `embedding_dims`={dims}"
+        )
+    return rows, dims
+
+
+class _Plan:
+    """One call's inputs and derived per-id tensors, shared by forward and the fused backward."""
+
+    def __init__(
+        self,
+        kernel: TorchEmbeddingKernel,
+        layout: _Layout,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        vbe_output_offsets: torch.Tensor | None,
+    ) -> None:
+        self.kernel = kernel
+        self.layout = layout
+        nnz = indices.numel()
+        self.offsets = offsets.to(torch.long)
+        self.bag_lengths = self.offsets[1:] - self.offsets[:-1]
+        # Bag and feature of every id, without a host sync (output_size is known from the shape).
+        self.bag_of_id = torch.repeat_interleave(
+            torch.arange(layout.num_bags, device=indices.device), self.bag_lengths, output_size=nnz
+        )
+        feature_of_id = layout.bag_feature[self.bag_of_id]
+        self.rows = indices.to(torch.long) + kernel._feature_row_offset_t[feature_of_id]
+        self.multi_group = len(kernel._dim_groups) > 1
+        self.group_of_id = kernel._feature_group_t[feature_of_id] if self.multi_group else None
+        self.per_sample_weights = per_sample_weights
+        self.vbe_output_offsets = vbe_output_offsets
+        self.nnz = nnz
+
+    def group_rows_and_weights(
+        self, g_i: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows of group ``g_i`` (other groups' ids read row 0) and the per-id weight (0 for other groups)."""
+        psw = self.per_sample_weights
+        if not self.multi_group:
+            return self.rows, None if psw is None else psw.to(dtype)
+        assert self.group_of_id is not None
+        mine = self.group_of_id == g_i
+        rows = torch.where(mine, self.rows, torch.zeros_like(self.rows))
+        weight = mine.to(dtype) if psw is None else psw.to(dtype) * mine.to(dtype)
+        return rows, weight
+
+    def positions(self, group: _GroupLayout) -> torch.Tensor:
+        """``[n_bags_g * dim]`` flat output positions of the group's bag elements."""
+        if self.vbe_output_offsets is None:
+            return group.positions.reshape(-1)
+        starts = self.vbe_output_offsets.reshape(-1).to(torch.long)[group.block_of_bag] + group.local_start
+        return (starts[:, None] + torch.arange(group.dim, device=starts.device)).reshape(-1)
+
+    def new_output(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self.layout.output_size, dtype=self.kernel.output_dtype, device=device)
+
+    def pooled(self, g_i: int, weight: torch.Tensor) -> torch.Tensor:
+        """``[n_bags_g, dim]`` pooled bags of dim group ``g_i`` in the weights' dtype."""
+        group = self.layout.groups[g_i]
+        assert group is not None
+        rows, psw = self.group_rows_and_weights(g_i, weight.dtype)
+        pooled = F.embedding_bag(
+            rows, weight, self.offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
+        )
+        if self.kernel.pooling == "mean":
+            pooled = pooled / self.bag_lengths.clamp(min=1).to(pooled.dtype)[:, None]
+        if group.bag_index is not None:
+            pooled = pooled[group.bag_index]
+        return pooled
+
+    def pool(self, vbe_output: torch.Tensor | None, weights: list[torch.Tensor]) -> torch.Tensor:
+        """Forward: every dim group's bags written into ``vbe_output`` (or a new output)."""
+        out = self.new_output(self.rows.device) if vbe_output is None else vbe_output
+        for g_i, group in enumerate(self.layout.groups):
+            if group is None:
+                continue
+            pooled = self.pooled(g_i, weights[g_i])
+            out = out.index_copy_(0, self.positions(group), pooled.reshape(-1).to(out.dtype))
+        if vbe_output is None:
+            return out.view(self.layout.output_shape)
+        return out
+
+
+class _FusedLookup(torch.autograd.Function):
+    """Forward pooling; backward applies the kernel's optimizer to the touched rows in place."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        plan: _Plan,
+        placeholder: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        vbe_output: torch.Tensor | None,
+    ) -> torch.Tensor:
+        kernel = plan.kernel
+        weights = [kernel._weights(g_i) for g_i in range(len(kernel._dim_groups))]
+        out = plan.pool(vbe_output, weights)
+        ctx.plan = plan
+        ctx.chained = vbe_output is not None
+        if vbe_output is not None:
+            ctx.mark_dirty(vbe_output)
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_output: torch.Tensor
+    ) -> tuple[None, None, torch.Tensor | None, torch.Tensor | None]:
+        plan: _Plan = ctx.plan
+        kernel = plan.kernel
+        grad_flat = grad_output.reshape(-1)
+        psw_grad: torch.Tensor | None = None
+        if ctx.needs_input_grad[2]:
+            psw_grad = torch.zeros(plan.nnz, dtype=torch.float32, device=grad_flat.device)
+        with torch.no_grad():
+            for g_i, group in enumerate(plan.layout.groups):
+                if group is None:
+                    continue
+                weight = kernel._weights(g_i)
+                grad_bags = grad_flat[plan.positions(group)].view(-1, group.dim).to(torch.float32)
+                if group.bag_index is not None:
+                    full = torch.zeros(
+                        plan.layout.num_bags, group.dim, dtype=torch.float32, device=grad_flat.device
+                    )
+                    grad_bags = full.index_copy_(0, group.bag_index, grad_bags)
+                if kernel.pooling == "mean":
+                    grad_bags = grad_bags / plan.bag_lengths.clamp(min=1).to(torch.float32)[:, None]
+                rows, id_weight = plan.group_rows_and_weights(g_i, torch.float32)
+                grad_of_id = grad_bags[plan.bag_of_id]
+                if psw_grad is not None:
+                    contribution = (grad_of_id * weight[rows].to(torch.float32)).sum(1)
+                    if plan.group_of_id is not None:
+                        contribution = contribution * (plan.group_of_id == g_i).to(torch.float32)
+                    psw_grad += contribution
+                if id_weight is not None:
+                    grad_of_id = grad_of_id * id_weight[:, None]
+                _apply_update(kernel, g_i, weight, rows, grad_of_id)
+        weights_grad = None
+        if psw_grad is not None and plan.per_sample_weights is not None:
+            weights_grad = psw_grad.to(plan.per_sample_weights.dtype)
+        return None, None, weights_grad, grad_output if ctx.chained else None
+
+
+def _apply_update(
+    kernel: TorchEmbeddingKernel, g_i: int, weight: torch.Tensor, rows: torch.Tensor, grad_of_id: torch.Tensor
+) -> None:
+    """In-place ``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` step on the rows ``rows`` touch (no host sync)."""
+    lr = kernel.learning_rate
+    if kernel.optimizer == "sgd":
+        weight.index_add_(0, rows, (grad_of_id * -lr).to(weight.dtype))
+        return
+    # Row-wise Adagrad needs the gradient summed per distinct row. Sort and segment without asking
+    # the host how many distinct rows there are: slots past the last segment hold row 0 with a zero
+    # gradient, which leaves row 0 unchanged (adding 0 to its state and to its weights).
+    n = rows.numel()
+    if n == 0:
+        return
+    sorted_rows, order = torch.sort(rows)
+    is_start = torch.ones(n, dtype=torch.bool, device=rows.device)
+    is_start[1:] = sorted_rows[1:] != sorted_rows[:-1]
+    segment = torch.cumsum(is_start, 0) - 1
+    seg_grad = torch.zeros_like(grad_of_id).index_add_(0, segment, grad_of_id[order])
+    seg_row = torch.zeros_like(rows).scatter_(0, segment, sorted_rows)
+    momentum = kernel._momentum(g_i)
+    momentum.index_add_(0, seg_row, seg_grad.square().mean(1))
+    step = seg_grad * (-lr / (momentum[seg_row].sqrt() + kernel.eps))[:, None]
+    weight.index_add_(0, seg_row, step.to(weight.dtype))

@@ -1,0 +1,212 @@
+"""TorchEmbeddingKernel: TBE semantics against a plain EmbeddingBag reference and against fbgemm's TBE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vbe_lookup import EmbeddingKernel, TorchEmbeddingKernel, VBEFeatures, _fbgemm
+from vbe_lookup.testing import ReferenceOptimizer, random_features, reference_pooled
+
+HAS_FBGEMM = _fbgemm.fbgemm_available()
+
+
+def test_fits_the_embedding_kernel_protocol() -> None:
+    """TorchEmbeddingKernel is an EmbeddingKernel (static and runtime check)."""
+    kernel: EmbeddingKernel = TorchEmbeddingKernel([10], [4])
+    assert isinstance(kernel, EmbeddingKernel)
+
+
+@st.composite
+def kernel_cases(draw: Any) -> dict[str, Any]:
+    n_tables = draw(st.integers(1, 3))
+    n_features = draw(st.integers(1, 4))
+    n_ranks = draw(st.integers(1, 3))
+    return {
+        "rows": [draw(st.integers(1, 10)) for _ in range(n_tables)],
+        "dims": [draw(st.sampled_from([1, 3, 4])) for _ in range(n_tables)],
+        "ftm": [draw(st.integers(0, n_tables - 1)) for _ in range(n_features)],
+        "stride": [[draw(st.integers(0, 3)) for _ in range(n_ranks)] for _ in range(n_features)],
+        "pooling": draw(st.sampled_from(["sum", "mean"])),
+        "optimizer": draw(st.sampled_from(["sgd", "rowwise_adagrad", None])),
+        "weighted": draw(st.booleans()),
+        "vbe": draw(st.booleans()),
+        "index_dtype": draw(st.sampled_from([torch.int32, torch.int64])),
+        "seed": draw(st.integers(0, 1000)),
+    }
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=kernel_cases())
+def test_matches_reference_forward_backward(case: dict[str, Any]) -> None:
+    """Output, per-sample-weight gradients and tables after two steps equal the EmbeddingBag reference."""
+    rows, dims, ftm = case["rows"], case["dims"], case["ftm"]
+    stride = case["stride"] if case["vbe"] else [[2]] * len(ftm)
+    lr = 0.1
+    kernel = TorchEmbeddingKernel(
+        rows,
+        dims,
+        feature_table_map=ftm,
+        pooling=case["pooling"],
+        optimizer=case["optimizer"],
+        learning_rate=lr,
+    )
+    ref_tables = [w.detach().clone().requires_grad_(True) for w in kernel.split_embedding_weights()]
+    ref_opt = ReferenceOptimizer(ref_tables, case["optimizer"] or "sgd", lr)
+    dense_opt = torch.optim.SGD(kernel.parameters(), lr=lr) if case["optimizer"] is None else None
+    keys = [f"f{i}" for i in range(len(ftm))]
+    for step in range(2):
+        features = random_features(
+            keys,
+            [rows[t] for t in ftm],
+            stride,
+            weighted=case["weighted"],
+            generator=torch.Generator().manual_seed(case["seed"] + step),
+            index_dtype=case["index_dtype"],
+        )
+        weights = features.weights_or_none()
+        psw = None if weights is None else weights.clone().requires_grad_(True)
+        psw_ref = None if weights is None else weights.clone().requires_grad_(True)
+        out = kernel(
+            features.values(),
+            features.offsets(),
+            per_sample_weights=psw,
+            batch_size_per_feature_per_rank=stride if case["vbe"] else None,
+        )
+        ref_features = VBEFeatures(keys, features.values(), features.lengths(), stride, psw_ref)
+        ref = reference_pooled(
+            {k: ref_tables[t] for k, t in zip(keys, ftm, strict=True)}, ref_features, pooling=case["pooling"]
+        )
+        if not case["vbe"]:
+            # Non-VBE output is [B, sum(dims)]: sample-major, features side by side.
+            blocks = torch.split(ref, [2 * dims[t] for t in ftm])
+            ref = torch.cat([b.view(2, -1) for b in blocks], dim=1)
+            assert out.shape == (2, sum(dims[t] for t in ftm))
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(step))
+        torch.autograd.backward(out, grad)
+        torch.autograd.backward(ref, grad)
+        if psw is not None and psw_ref is not None:
+            torch.testing.assert_close(psw.grad, psw_ref.grad, atol=1e-5, rtol=1e-5)
+        ref_opt.step()
+        if dense_opt is not None:
+            dense_opt.step()
+            dense_opt.zero_grad()
+        for w, want in zip(kernel.split_embedding_weights(), ref_tables, strict=True):
+            torch.testing.assert_close(w, want.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_FBGEMM, reason="fbgemm unavailable")
+@settings(max_examples=20, deadline=None)
+@given(
+    pooling=st.sampled_from(["sum", "mean"]),
+    optimizer=st.sampled_from(["sgd", "rowwise_adagrad"]),
+    weighted=st.booleans(),
+    stride=st.lists(st.lists(st.integers(0, 4), min_size=3, max_size=3), min_size=1, max_size=4),
+    seed=st.integers(0, 1000),
+)
+def test_matches_fbgemm_tbe(
+    pooling: str, optimizer: str, weighted: bool, stride: list[list[int]], seed: int
+) -> None:
+    """Same forward and same tables after two fused steps as fbgemm's SplitTableBatchedEmbeddingBagsCodegen.
+
+    Weighted mean is compared forward only: fbgemm's weighted-mean backward drops the 1/L factor.
+    """
+    rows = [5 + 3 * i for i in range(len(stride))]
+    dims = [4 * (1 + i % 2) for i in range(len(stride))]
+    ours = TorchEmbeddingKernel(rows, dims, pooling=pooling, optimizer=optimizer, learning_rate=0.1)  # type: ignore[arg-type]
+    theirs = _fbgemm.new_tbe(rows, dims, pooling=pooling, optimizer=optimizer, learning_rate=0.1)
+    with torch.no_grad():
+        for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+            a.copy_(b)
+    keys = [f"f{i}" for i in range(len(stride))]
+    for step in range(2):
+        features = random_features(
+            keys, rows, stride, weighted=weighted, generator=torch.Generator().manual_seed(seed + step)
+        )
+        kwargs = {"per_sample_weights": features.weights_or_none(), "batch_size_per_feature_per_rank": stride}
+        out = ours(features.values(), features.offsets(), **kwargs)
+        want = theirs(features.values(), features.offsets(), **kwargs)
+        torch.testing.assert_close(out, want.reshape(-1), atol=1e-5, rtol=1e-5)
+        if weighted and pooling == "mean":
+            continue
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
+        torch.autograd.backward(out, grad)
+        torch.autograd.backward(want, grad.view(want.shape))
+        for a, b in zip(ours.split_embedding_weights(), theirs.split_embedding_weights(), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_vbe_output_chains_two_kernels() -> None:
+    """Two kernels writing one buffer at [R, F] offsets: the returned tensor chains, one backward updates both."""
+    torch.manual_seed(0)
+    k1, k2 = TorchEmbeddingKernel([10, 10], [4, 8]), TorchEmbeddingKernel([10], [4])
+    f1 = random_features(["a", "b"], [10, 10], [[1, 2], [2, 1]])
+    f2 = random_features(["c"], [10], [[2, 2]])
+    # rank 0: a 1*4, b 2*8, c 2*4; rank 1: a 2*4, b 1*8, c 2*4
+    vo1 = torch.tensor([[0, 4], [28, 36]])
+    vo2 = torch.tensor([[20], [44]])
+    tables = {
+        k: w.detach().clone().requires_grad_(True)
+        for k, w in zip("abc", [*k1.split_embedding_weights(), *k2.split_embedding_weights()], strict=True)
+    }
+    buffer = torch.empty(52)
+    o1 = k1(
+        f1.values(),
+        f1.offsets(),
+        batch_size_per_feature_per_rank=[[1, 2], [2, 1]],
+        vbe_output=buffer,
+        vbe_output_offsets=vo1,
+    )
+    o2 = k2(
+        f2.values(),
+        f2.offsets(),
+        batch_size_per_feature_per_rank=[[2, 2]],
+        vbe_output=o1,
+        vbe_output_offsets=vo2,
+    )
+    assert o1.data_ptr() == o2.data_ptr() == buffer.data_ptr()
+    r1 = reference_pooled({"a": tables["a"], "b": tables["b"]}, f1)
+    r2 = reference_pooled({"c": tables["c"]}, f2)
+    ref = torch.cat([r1[:20], r2[:8], r1[20:], r2[8:]])
+    torch.testing.assert_close(o2, ref)
+    grad = torch.randn(52)
+    torch.autograd.backward(o2, grad)
+    torch.autograd.backward(ref, grad)
+    ReferenceOptimizer(list(tables.values()), "sgd", 0.01).step()
+    for w, k in zip([*k1.split_embedding_weights(), *k2.split_embedding_weights()], "abc", strict=True):
+        torch.testing.assert_close(w, tables[k].detach(), msg=k)
+
+
+def test_split_embedding_weights_are_writable_views() -> None:
+    """Writing a returned table changes what the kernel looks up; optimizer states come per table."""
+    kernel = TorchEmbeddingKernel([3, 4, 5], [2, 4, 2], optimizer="rowwise_adagrad")
+    tables = kernel.split_embedding_weights()
+    assert [tuple(t.shape) for t in tables] == [(3, 2), (4, 4), (5, 2)]
+    with torch.no_grad():
+        tables[2].fill_(1.5)
+    out = kernel(torch.tensor([4]), torch.tensor([0, 0, 0, 1]))
+    assert out[0, -2:].tolist() == [1.5, 1.5]
+    assert [tuple(s.shape) for s in kernel.split_optimizer_states()] == [(3,), (4,), (5,)]
+
+
+def test_empty_batch_and_no_grad() -> None:
+    """Zero bags give an empty output; inference under no_grad leaves tables untouched."""
+    kernel = TorchEmbeddingKernel([3], [4])
+    out = kernel(
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(1, dtype=torch.long),
+        batch_size_per_feature_per_rank=[[0, 0]],
+    )
+    assert out.shape == (0,)
+    before = kernel.split_embedding_weights()[0].clone()
+    with torch.no_grad():
+        y = kernel(torch.tensor([1]), torch.tensor([0, 1]))
+    assert y.shape == (1, 4)
+    torch.testing.assert_close(kernel.split_embedding_weights()[0], before)
+    torch.testing.assert_close(y[0], F.embedding(torch.tensor(1), before))
