@@ -81,7 +81,9 @@ class TableCache:
         self.dirty[slots] = False
         self._rebuild()
 
-    def fill(self, slots: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, tick: int) -> None:
+    def fill(
+        self, slots: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, tick: int
+    ) -> None:
         """Put clean rows into free ``slots``.
 
         Args:

@@ -49,7 +49,9 @@ def load() -> FbgemmTBE | None:
             SplitTableBatchedEmbeddingBagsCodegen,
         )
     except (ImportError, OSError, RuntimeError) as error:
-        warnings.warn(f"fbgemm_gpu unavailable ({type(error).__name__}: {error})", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"fbgemm_gpu unavailable ({type(error).__name__}: {error})", RuntimeWarning, stacklevel=2
+        )
         return None
     version = str(getattr(fbgemm_gpu, "__version__", "unknown"))
     expected = _ABI.get(_minor(version))

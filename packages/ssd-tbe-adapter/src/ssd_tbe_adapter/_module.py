@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -78,9 +78,13 @@ class TableChunk:
     def __post_init__(self) -> None:
         n = self.ids.shape[0] if self.ids.dim() == 1 else -1
         if n < 0 or self.ids.dtype != torch.int64:
-            raise ValueError(f"`ids` of chunk of `{self.table}` must be 1-D int64, got {self.ids.dtype} {tuple(self.ids.shape)}")
+            raise ValueError(
+                f"`ids` of chunk of `{self.table}` must be 1-D int64, got {self.ids.dtype} {tuple(self.ids.shape)}"
+            )
         if self.weights.dim() != 2 or self.weights.shape[0] != n:
-            raise ValueError(f"`weights` of chunk of `{self.table}` must be [{n}, D], got {tuple(self.weights.shape)}")
+            raise ValueError(
+                f"`weights` of chunk of `{self.table}` must be [{n}, D], got {tuple(self.weights.shape)}"
+            )
         if self.optimizer_state.dim() != 2 or self.optimizer_state.shape[0] != n:
             raise ValueError(
                 f"`optimizer_state` of chunk of `{self.table}` must be [{n}, S], got {tuple(self.optimizer_state.shape)}"
@@ -142,7 +146,7 @@ class _KVBagFunction(torch.autograd.Function):
     """Autograd node of one forward: backward applies the fused optimizer to the touched rows."""
 
     @staticmethod
-    def forward(  # type: ignore[override]  # autograd.Function's forward takes *args
+    def forward(
         ctx: Any,
         anchor: torch.Tensor,
         per_sample_weights: torch.Tensor | None,
@@ -164,7 +168,7 @@ class _KVBagFunction(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         module: KeyValueEmbeddingBags = ctx.module
         grad_psw = module._backward_impl(
             ctx.plan, ctx.indices_device, ctx.rows, ctx.per_sample_weights, grad_output.contiguous()
@@ -228,8 +232,10 @@ class KeyValueEmbeddingBags(nn.Module):
         self._tables = _check_tables(tables)
         self._dims = [table.dim for table in self._tables]
         self._feature_table_map = _check_feature_table_map(feature_table_map, len(self._tables))
-        if not isinstance(store, KVStore):
-            raise TypeError(f"`store` must implement KVStore (get/put/iter_chunks/flush/close), got {type(store).__name__}")
+        if not isinstance(cast(object, store), KVStore):
+            raise TypeError(
+                f"`store` must implement KVStore (get/put/iter_chunks/flush/close), got {type(store).__name__}"
+            )
         self._store = store
         capacities = _check_cache_rows(cache_rows, len(self._tables))
         if optimizer not in ("sgd", "rowwise_adagrad"):
@@ -238,7 +244,9 @@ class KeyValueEmbeddingBags(nn.Module):
             raise ValueError(f"`pooling` must be 'sum' or 'mean', got {pooling!r}")
         if weights_precision not in ("fp32", "fp16"):
             raise ValueError(f"`weights_precision` must be 'fp32' or 'fp16', got {weights_precision!r}")
-        if not (isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate >= 0):
+        if not (
+            isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate >= 0
+        ):
             raise ValueError(f"`learning_rate` must be a finite float >= 0, got {learning_rate!r}")
         low, high = (float(init_range[0]), float(init_range[1]))
         if not low <= high:
@@ -251,7 +259,7 @@ class KeyValueEmbeddingBags(nn.Module):
         self.seed = int(seed)
         self._init_range = (low, high)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
-        if self._device.type == "cuda" and self._device.index is None:
+        if self._device == torch.device("cuda"):  # no index: the current device
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._cuda = self._device.type == "cuda"
         self._weight_dtype = torch.float16 if weights_precision == "fp16" else torch.float32
@@ -261,7 +269,7 @@ class KeyValueEmbeddingBags(nn.Module):
         self._record_bytes = [wb + 4 * self._state_width for wb in self._weight_bytes]
         self._caches = [
             TableCache(capacity, dim, self._weight_dtype, self._state_width, self._device)
-            for capacity, dim in zip(capacities, self._dims)
+            for capacity, dim in zip(capacities, self._dims, strict=True)
         ]
         # An empty leaf that requires grad, so every forward output is part of the autograd graph even
         # though the rows themselves are not parameters (they live in the cache and the store).
@@ -332,7 +340,12 @@ class KeyValueEmbeddingBags(nn.Module):
         """
         self._check_open()
         plan, indices_cpu = self._plan(
-            indices, offsets, per_sample_weights, batch_size_per_feature_per_rank, vbe_output, vbe_output_offsets
+            indices,
+            offsets,
+            per_sample_weights,
+            batch_size_per_feature_per_rank,
+            vbe_output,
+            vbe_output_offsets,
         )
         groups = self._take_prefetched(indices)
         self._metrics.forwards += 1
@@ -344,7 +357,9 @@ class KeyValueEmbeddingBags(nn.Module):
         indices_device = self._device_inverse(plan)
         psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32)
         if torch.is_grad_enabled():
-            return _KVBagFunction.apply(self._anchor, psw, vbe_output, self, plan, indices_device)  # type: ignore[no-any-return]
+            # autograd.Function.apply is untyped in torch's stubs.
+            result = _KVBagFunction.apply(self._anchor, psw, vbe_output, self, plan, indices_device)  # type: ignore[no-untyped-call]
+            return cast(torch.Tensor, result)
         output, _ = self._forward_impl(plan, indices_device, psw, vbe_output)
         return output
 
@@ -410,10 +425,12 @@ class KeyValueEmbeddingBags(nn.Module):
         """
         with self._lock:
             m = self._metrics
-            out: dict[str, float] = {name: float(getattr(m, name)) for name in m.__slots__}  # type: ignore[attr-defined]
+            out: dict[str, float] = {name: float(getattr(m, name)) for name in m.__slots__}
             out["cache_hit_rate"] = m.hits / m.lookups if m.lookups else 0.0
             out["forward_hit_rate"] = m.forward_hits / m.forward_lookups if m.forward_lookups else 0.0
-            out["store_read_rows_per_s"] = m.store_rows_read / m.store_read_seconds if m.store_read_seconds else 0.0
+            out["store_read_rows_per_s"] = (
+                m.store_rows_read / m.store_read_seconds if m.store_read_seconds else 0.0
+            )
             out["store_write_rows_per_s"] = (
                 m.store_rows_written / m.store_write_seconds if m.store_write_seconds else 0.0
             )
@@ -459,7 +476,9 @@ class KeyValueEmbeddingBags(nn.Module):
             for chunk in chunks:
                 table = names.get(chunk.table)
                 if table is None:
-                    raise ValueError(f"checkpoint chunk names table `{chunk.table}`, not one of {sorted(names)}")
+                    raise ValueError(
+                        f"checkpoint chunk names table `{chunk.table}`, not one of {sorted(names)}"
+                    )
                 self._check_chunk(table, chunk)
                 if table not in cleared:
                     self._store.clear_table(table=table)
@@ -482,7 +501,12 @@ class KeyValueEmbeddingBags(nn.Module):
         for number, chunk in enumerate(self.checkpoint(chunk_rows=chunk_rows)):
             name = f"chunk-{number:06d}.pt"
             torch.save(
-                {"table": chunk.table, "ids": chunk.ids, "weights": chunk.weights, "state": chunk.optimizer_state},
+                {
+                    "table": chunk.table,
+                    "ids": chunk.ids,
+                    "weights": chunk.weights,
+                    "state": chunk.optimizer_state,
+                },
                 path / name,
             )
             files.append(name)
@@ -507,14 +531,19 @@ class KeyValueEmbeddingBags(nn.Module):
             raise FileNotFoundError(f"checkpoint `directory` {str(path)!r} has no manifest.json")
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("format") != _CHECKPOINT_FORMAT:
-            raise ValueError(f"checkpoint format {manifest.get('format')!r} in {str(path)!r}, expected {_CHECKPOINT_FORMAT}")
+            raise ValueError(
+                f"checkpoint format {manifest.get('format')!r} in {str(path)!r}, expected {_CHECKPOINT_FORMAT}"
+            )
         self.set_extra_state({key: manifest[key] for key in self.get_extra_state()})
 
         def chunks() -> Iterator[TableChunk]:
             for name in manifest["files"]:
                 data = torch.load(path / name, weights_only=True)
                 yield TableChunk(
-                    table=data["table"], ids=data["ids"], weights=data["weights"], optimizer_state=data["state"]
+                    table=data["table"],
+                    ids=data["ids"],
+                    weights=data["weights"],
+                    optimizer_state=data["state"],
                 )
 
         self.restore(chunks())
@@ -579,7 +608,11 @@ class KeyValueEmbeddingBags(nn.Module):
     ) -> tuple[_Plan, torch.Tensor]:
         num_features = len(self._feature_table_map)
         for name, tensor in (("indices", indices), ("offsets", offsets)):
-            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.dtype not in (torch.int32, torch.int64):
+            if (
+                not isinstance(tensor, torch.Tensor)
+                or tensor.dim() != 1
+                or tensor.dtype not in (torch.int32, torch.int64)
+            ):
                 raise ValueError(f"`{name}` must be a 1-D int32/int64 tensor, got {_describe(tensor)}")
             if tensor.device != self._device:
                 raise ValueError(f"`{name}` is on {tensor.device}, this module on {self._device}")
@@ -595,17 +628,16 @@ class KeyValueEmbeddingBags(nn.Module):
             )
         if total_bags and bool((offsets_cpu[1:] < offsets_cpu[:-1]).any()):
             raise ValueError("`offsets` must be non-decreasing")
-        if per_sample_weights is not None:
-            if (
-                per_sample_weights.dim() != 1
-                or not per_sample_weights.is_floating_point()
-                or per_sample_weights.numel() != indices_cpu.numel()
-                or per_sample_weights.device != self._device
-            ):
-                raise ValueError(
-                    f"`per_sample_weights` must be a [{indices_cpu.numel()}] float tensor on {self._device}, "
-                    f"got {_describe(per_sample_weights)}"
-                )
+        if per_sample_weights is not None and (
+            per_sample_weights.dim() != 1
+            or not per_sample_weights.is_floating_point()
+            or per_sample_weights.numel() != indices_cpu.numel()
+            or per_sample_weights.device != self._device
+        ):
+            raise ValueError(
+                f"`per_sample_weights` must be a [{indices_cpu.numel()}] float tensor on {self._device}, "
+                f"got {_describe(per_sample_weights)}"
+            )
         vbe = batch_sizes is not None
         blocks: list[list[tuple[int, int, int]]] = []
         output_numel = 0
@@ -617,8 +649,10 @@ class KeyValueEmbeddingBags(nn.Module):
                     f"got {len(batch_sizes)}"
                 )
             ranks = len(batch_sizes[0])
-            if ranks < 1 or any(len(row) != ranks for row in batch_sizes) or any(
-                (not isinstance(b, int)) or b < 0 for row in batch_sizes for b in row
+            if (
+                ranks < 1
+                or any(len(row) != ranks for row in batch_sizes)
+                or any((not isinstance(b, int)) or b < 0 for row in batch_sizes for b in row)
             ):
                 raise ValueError(
                     f"`batch_size_per_feature_per_rank` must be [F={num_features}][R] non-negative ints, "
@@ -643,7 +677,10 @@ class KeyValueEmbeddingBags(nn.Module):
                     raise ValueError(
                         f"`vbe_output` must be a contiguous 1-D float32 tensor on {self._device}, got {_describe(vbe_output)}"
                     )
-                if tuple(vbe_output_offsets.shape) != (ranks, num_features) or vbe_output_offsets.dtype not in (
+                if tuple(vbe_output_offsets.shape) != (
+                    ranks,
+                    num_features,
+                ) or vbe_output_offsets.dtype not in (
                     torch.int32,
                     torch.int64,
                 ):
@@ -710,7 +747,9 @@ class KeyValueEmbeddingBags(nn.Module):
         for table, parts in per_table.items():
             ids = parts[0] if len(parts) == 1 else torch.cat(parts)
             unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-            groups[table] = _TableGroup(unique=unique, inverse=list(inverse.split([p.numel() for p in parts])))
+            groups[table] = _TableGroup(
+                unique=unique, inverse=list(inverse.split([p.numel() for p in parts]))
+            )
         return groups
 
     def _device_inverse(self, plan: _Plan) -> list[torch.Tensor]:
@@ -749,12 +788,17 @@ class KeyValueEmbeddingBags(nn.Module):
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         rows = {table: self._gather(table, group.unique) for table, group in plan.groups.items()}
         if plan.vbe:
-            output = vbe_output if vbe_output is not None else torch.empty(
-                plan.output_numel, dtype=torch.float32, device=self._device
+            output = (
+                vbe_output
+                if vbe_output is not None
+                else torch.empty(plan.output_numel, dtype=torch.float32, device=self._device)
             )
         else:
             output = torch.empty(
-                plan.batch_size, sum(self._dims[t] for t in self._feature_table_map), dtype=torch.float32, device=self._device
+                plan.batch_size,
+                sum(self._dims[t] for t in self._feature_table_map),
+                dtype=torch.float32,
+                device=self._device,
             )
         column = 0
         offsets_device = plan.offsets.to(self._device, non_blocking=True)
@@ -762,11 +806,15 @@ class KeyValueEmbeddingBags(nn.Module):
             dim = self._dims[table]
             bags = plan.num_bags[feature]
             if bags:
-                pooled = self._pool(plan, feature, offsets_device, indices_device[feature], rows[table], per_sample_weights)
+                pooled = self._pool(
+                    plan, feature, offsets_device, indices_device[feature], rows[table], per_sample_weights
+                )
                 if plan.vbe:
                     for first, count, start in plan.blocks[feature]:
                         if count:
-                            output[start : start + count * dim].view(count, dim).copy_(pooled[first : first + count])
+                            output[start : start + count * dim].view(count, dim).copy_(
+                                pooled[first : first + count]
+                            )
                 else:
                     output[:, column : column + dim] = pooled
             column += dim
@@ -786,7 +834,9 @@ class KeyValueEmbeddingBags(nn.Module):
         base = bag_offsets[0]
         psw = None
         if per_sample_weights is not None:
-            psw = per_sample_weights[int(plan.offsets[start]) : int(plan.offsets[start + plan.num_bags[feature]])]
+            psw = per_sample_weights[
+                int(plan.offsets[start]) : int(plan.offsets[start + plan.num_bags[feature]])
+            ]
         pooled = F.embedding_bag(
             lookups, rows, bag_offsets - base, mode="sum", per_sample_weights=psw, include_last_offset=True
         )
@@ -805,7 +855,9 @@ class KeyValueEmbeddingBags(nn.Module):
     ) -> torch.Tensor | None:
         grads = {table: torch.zeros_like(r) for table, r in rows.items()}
         want_psw = per_sample_weights is not None and per_sample_weights.requires_grad
-        grad_psw = torch.zeros_like(per_sample_weights) if per_sample_weights is not None and want_psw else None
+        grad_psw = (
+            torch.zeros_like(per_sample_weights) if per_sample_weights is not None and want_psw else None
+        )
         offsets_device = plan.offsets.to(self._device, non_blocking=True)
         flat = grad_output.view(-1)
         column = 0
@@ -815,7 +867,10 @@ class KeyValueEmbeddingBags(nn.Module):
             if bags:
                 if plan.vbe:
                     grad_bags = torch.cat(
-                        [flat[start : start + count * dim].view(count, dim) for _, count, start in plan.blocks[feature]]
+                        [
+                            flat[start : start + count * dim].view(count, dim)
+                            for _, count, start in plan.blocks[feature]
+                        ]
                     )
                 else:
                     grad_bags = grad_output[:, column : column + dim]
@@ -898,11 +953,15 @@ class KeyValueEmbeddingBags(nn.Module):
                 new_weights, new_state = self._step(
                     weights.to(torch.float32), state, grads[missing.to(self._device)].to("cpu")
                 )
-                self._store_put(table, miss_ids, self._encode(table, new_weights.to(self._weight_dtype), new_state))
+                self._store_put(
+                    table, miss_ids, self._encode(table, new_weights.to(self._weight_dtype), new_state)
+                )
                 self._metrics.write_through_rows += miss_ids.numel()
             self._record_main_event()
 
-    def _step(self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(
+        self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on float32 rows ``[K, D]`` with state ``[K, S]`` and gradients ``[K, D]``."""
         if self.optimizer == "sgd":
             return weights - self.learning_rate * grads, state
@@ -928,7 +987,9 @@ class KeyValueEmbeddingBags(nn.Module):
             state[absent] = 0.0
         return weights, state
 
-    def _insert(self, table: int, ids: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, tick: int) -> int:
+    def _insert(
+        self, table: int, ids: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, tick: int
+    ) -> int:
         """Cache as many of the (uncached) rows as fit, evicting LRU rows older than ``tick``. Lock held.
 
         Returns:
@@ -1000,7 +1061,7 @@ class KeyValueEmbeddingBags(nn.Module):
                     inserted = self._insert(table, ids, weights, state, tick)
                     self._metrics.prefetched_rows += inserted
                 if self._cuda:
-                    event = torch.cuda.Event()
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
                     event.record(stream)
                     self._insert_event = event
         finally:
@@ -1015,7 +1076,7 @@ class KeyValueEmbeddingBags(nn.Module):
 
     def _record_main_event(self) -> None:
         if self._cuda:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
             event.record(torch.cuda.current_stream(self._device))
             self._main_event = event
 
@@ -1042,7 +1103,12 @@ class KeyValueEmbeddingBags(nn.Module):
         raw = self._dims[table] * self._weight_dtype.itemsize
         weights = records[:, :raw].contiguous().view(self._weight_dtype).view(n, self._dims[table])
         if self._state_width:
-            state = records[:, self._weight_bytes[table] :].contiguous().view(torch.float32).view(n, self._state_width)
+            state = (
+                records[:, self._weight_bytes[table] :]
+                .contiguous()
+                .view(torch.float32)
+                .view(n, self._state_width)
+            )
         else:
             state = torch.zeros(n, 0, dtype=torch.float32)
         return weights, state
@@ -1110,6 +1176,10 @@ def _check_feature_table_map(feature_table_map: Sequence[int] | None, num_tables
 
 def _check_cache_rows(cache_rows: int | Sequence[int], num_tables: int) -> list[int]:
     values = [cache_rows] * num_tables if isinstance(cache_rows, int) else list(cache_rows)
-    if len(values) != num_tables or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
-        raise ValueError(f"`cache_rows` must be an int >= 0 or one per table ({num_tables}), got {cache_rows!r}")
+    if len(values) != num_tables or any(
+        isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values
+    ):
+        raise ValueError(
+            f"`cache_rows` must be an int >= 0 or one per table ({num_tables}), got {cache_rows!r}"
+        )
     return values

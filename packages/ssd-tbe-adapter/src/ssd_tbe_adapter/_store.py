@@ -7,6 +7,7 @@ contiguous key range (checkpoints stream it with a single iterator).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -33,7 +34,9 @@ _SIGN = np.uint64(1 << 63)
 
 def _check_ids(ids: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
     if ids.dim() != 1 or ids.dtype != torch.int64 or ids.device.type != "cpu":
-        raise ValueError(f"`ids` must be a 1-D int64 CPU tensor, got {tuple(ids.shape)} {ids.dtype} on {ids.device}")
+        raise ValueError(
+            f"`ids` must be a 1-D int64 CPU tensor, got {tuple(ids.shape)} {ids.dtype} on {ids.device}"
+        )
     array: np.ndarray[Any, np.dtype[np.int64]] = ids.contiguous().numpy()
     return array
 
@@ -311,7 +314,7 @@ class RocksDBStore:
         keys = encode_keys(table, array)
         values: list[bytes] = rows.numpy().view(f"V{rows.shape[1]}").ravel().tolist()
         batch = self._rocksdict.WriteBatch(raw_mode=True)
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             batch.put(key, value)
         with self._lock:
             self._check_open()
@@ -385,7 +388,6 @@ class RocksDBStore:
             self._closed = True
 
     def __del__(self) -> None:
-        try:
+        # Interpreter shutdown may have torn rocksdict down already; the WAL holds every put anyway.
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:  # noqa: S110 - interpreter shutdown; the WAL already holds every put
-            pass

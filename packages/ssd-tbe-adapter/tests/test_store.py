@@ -1,0 +1,160 @@
+"""KVStore implementations: round trips, chunked iteration, clear errors for bad paths and records."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ssd_tbe_adapter import (
+    KVStore,
+    MemoryStore,
+    RocksDBStore,
+    StoreClosedError,
+    StoreCorruptError,
+    StoreNotFoundError,
+    StoreOpenError,
+)
+
+STORES: list[tuple[str, Callable[[Path], KVStore]]] = [
+    ("memory", lambda _: MemoryStore()),
+    ("rocksdb", lambda path: RocksDBStore(path / "db")),
+]
+
+
+@pytest.mark.parametrize("make", [m for _, m in STORES], ids=[n for n, _ in STORES])
+def test_stores_fit_the_protocol(make: Callable[[Path], KVStore], tmp_path: Path) -> None:
+    """Both stores are KVStore instances (runtime-checkable Protocol)."""
+    store = make(tmp_path)
+    assert isinstance(store, KVStore)
+    store.close()
+
+
+@pytest.mark.parametrize("make", [m for _, m in STORES], ids=[n for n, _ in STORES])
+@settings(max_examples=20, deadline=None)
+@given(
+    ids=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=0, max_size=30, unique=True),
+    width=st.integers(1, 17),
+    table=st.integers(0, 3),
+)
+def test_put_get_iterate_roundtrip(
+    make: Callable[[Path], KVStore],
+    tmp_path_factory: pytest.TempPathFactory,
+    ids: list[int],
+    width: int,
+    table: int,
+) -> None:
+    """put then get returns the bytes; absent ids report False and leave `out` alone; iteration is id-ordered."""
+    store = make(tmp_path_factory.mktemp("s"))
+    keys = torch.tensor(ids, dtype=torch.int64)
+    rows = torch.randint(0, 256, (len(ids), width), dtype=torch.uint8)
+    store.put(keys, rows, table=table)
+    store.put(
+        torch.tensor([5], dtype=torch.int64), torch.zeros(1, width + 1, dtype=torch.uint8), table=table + 1
+    )
+    query = torch.cat([keys, torch.tensor([123456789], dtype=torch.int64)]) if 123456789 not in ids else keys
+    out = torch.full((query.numel(), width), 7, dtype=torch.uint8)
+    found = store.get(query, out, table=table)
+    assert found[: len(ids)].all()
+    assert torch.equal(out[: len(ids)], rows)
+    if query.numel() > len(ids):
+        assert not bool(found[-1])
+        assert bool((out[-1] == 7).all())
+    chunks = list(store.iter_chunks(table=table, chunk_rows=4))
+    got_ids = torch.cat([c[0] for c in chunks]) if chunks else torch.zeros(0, dtype=torch.int64)
+    order = torch.argsort(keys)
+    assert torch.equal(got_ids, keys[order])
+    if chunks:
+        assert torch.equal(torch.cat([c[1] for c in chunks]), rows[order])
+        assert all(c[0].numel() <= 4 for c in chunks)
+    store.clear_table(table=table)
+    assert list(store.iter_chunks(table=table, chunk_rows=4)) == []
+    assert len(list(store.iter_chunks(table=table + 1, chunk_rows=4))) == 1
+    store.close()
+
+
+def test_rocksdb_reopen_keeps_rows(tmp_path: Path) -> None:
+    """Rows put before close() are there after reopening."""
+    store = RocksDBStore(tmp_path / "db")
+    store.put(torch.tensor([1, -2]), torch.tensor([[1, 2], [3, 4]], dtype=torch.uint8), table=2)
+    store.close()
+    store = RocksDBStore(tmp_path / "db", create_if_missing=False)
+    out = torch.zeros(2, 2, dtype=torch.uint8)
+    assert bool(store.get(torch.tensor([-2, 1]), out, table=2).all())
+    assert out.tolist() == [[3, 4], [1, 2]]
+    store.close()
+
+
+def test_missing_path_without_create_is_clear(tmp_path: Path) -> None:
+    """A missing store path with create_if_missing=False raises StoreNotFoundError (a FileNotFoundError)."""
+    with pytest.raises(StoreNotFoundError, match="`path`") as info:
+        RocksDBStore(tmp_path / "nope", create_if_missing=False)
+    assert isinstance(info.value, FileNotFoundError)
+
+
+def test_path_that_is_a_file_is_clear(tmp_path: Path) -> None:
+    """A store path that is a regular file raises StoreOpenError."""
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(StoreOpenError, match="is a file"):
+        RocksDBStore(path)
+
+
+def test_non_rocksdb_directory_is_clear(tmp_path: Path) -> None:
+    """A non-empty directory that is not a RocksDB database raises StoreOpenError."""
+    (tmp_path / "other.txt").write_text("not a database")
+    with pytest.raises(StoreOpenError, match="CURRENT"):
+        RocksDBStore(tmp_path)
+
+
+def test_corrupt_database_is_clear(tmp_path: Path) -> None:
+    """A database whose CURRENT/MANIFEST is garbage raises StoreOpenError, not a crash."""
+    store = RocksDBStore(tmp_path / "db")
+    store.put(torch.tensor([1]), torch.zeros(1, 4, dtype=torch.uint8))
+    store.close()
+    (tmp_path / "db" / "CURRENT").write_text("MANIFEST-999999\n")
+    with pytest.raises(StoreOpenError, match="cannot open RocksDB store"):
+        RocksDBStore(tmp_path / "db")
+
+
+def test_locked_database_is_clear(tmp_path: Path) -> None:
+    """Opening a database that is already open raises StoreOpenError."""
+    store = RocksDBStore(tmp_path / "db")
+    with pytest.raises(StoreOpenError, match="locked"):
+        RocksDBStore(tmp_path / "db")
+    store.close()
+
+
+def test_wrong_record_width_is_corrupt(tmp_path: Path) -> None:
+    """Reading records with a different width than stored raises StoreCorruptError naming the id."""
+    store = RocksDBStore(tmp_path / "db")
+    store.put(torch.tensor([9]), torch.zeros(1, 4, dtype=torch.uint8))
+    with pytest.raises(StoreCorruptError, match="id 9"):
+        store.get(torch.tensor([9]), torch.zeros(1, 8, dtype=torch.uint8))
+    store.close()
+
+
+@pytest.mark.parametrize("make", [m for _, m in STORES], ids=[n for n, _ in STORES])
+def test_closed_store_raises(make: Callable[[Path], KVStore], tmp_path: Path) -> None:
+    """Any call after close() raises StoreClosedError."""
+    store = make(tmp_path)
+    store.close()
+    with pytest.raises(StoreClosedError):
+        store.get(torch.tensor([1]), torch.zeros(1, 1, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("make", [m for _, m in STORES], ids=[n for n, _ in STORES])
+def test_bad_arguments_name_the_argument(make: Callable[[Path], KVStore], tmp_path: Path) -> None:
+    """Wrong dtypes or shapes raise ValueError naming `ids`, `out` or `rows`."""
+    store = make(tmp_path)
+    with pytest.raises(ValueError, match="`ids`"):
+        store.get(torch.tensor([1.0]), torch.zeros(1, 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="`out`"):
+        store.get(torch.tensor([1]), torch.zeros(2, 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="`rows`"):
+        store.put(torch.tensor([1]), torch.zeros(1, 1))
+    store.close()
