@@ -20,7 +20,7 @@ class _Model(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         kts = [KeyedTensor(["a", "b"], [2, 3], dense), KeyedTensor(["c", "d"], [4, 1], sparse)]
-        out = self.regroup(kts)
+        out: dict[str, torch.Tensor] = self.regroup(kts)
         return out["x"].sum(1) * 2 + out["y"].sum(1) + out["z"].sum(1)
 
 
@@ -73,7 +73,8 @@ def test_export_with_keyed_tensor_inputs() -> None:
             self.regroup = KTRegroupAsDict([["c", "a"]], ["g"])
 
         def forward(self, first: KeyedTensor, second: KeyedTensor) -> torch.Tensor:
-            return self.regroup([first, second])["g"]
+            out: dict[str, torch.Tensor] = self.regroup([first, second])
+            return out["g"]
 
     first = KeyedTensor(["a", "b"], [2, 3], torch.randn(4, 5))
     second = KeyedTensor(["c"], [4], torch.randn(4, 4))

@@ -120,7 +120,7 @@ def test_module_checks_widths_on_every_call() -> None:
 def test_malformed_groups_and_names() -> None:
     """A bare str group, non-str keys, and a names/groups count mismatch raise InvalidGroupsError."""
     with pytest.raises(InvalidGroupsError, match=r"group 0 of `groups` is the str 'f1'"):
-        regroup(_kts(), ["f1"])  # type: ignore[list-item]  # the wrong type is the test
+        regroup(_kts(), ["f1"])
     with pytest.raises(InvalidGroupsError, match=r"group 0 of `groups` holds 3 \(int\)"):
         regroup(_kts(), [[3]])  # type: ignore[list-item]  # the wrong type is the test
     with pytest.raises(InvalidGroupsError, match=r"`keys` has 1 names but `groups` has 2 groups"):

@@ -14,11 +14,13 @@ pytestmark = pytest.mark.gpu
 
 CUDA_BACKENDS = ["torch", "triton", "fbgemm"]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# (rtol, atol): repeats are summed in another order (and, for fp16/bf16, with fewer roundings) than
+# autograd sums the reference's repeats, so low precision allows a few ulps for up to 8 repeats.
 TOLERANCE = {
-    torch.float32: {"rtol": 1.3e-6, "atol": 1e-5},
-    torch.float64: {"rtol": 1e-7, "atol": 1e-7},
-    torch.float16: {"rtol": 2e-3, "atol": 2e-3},
-    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1.6e-2},
+    torch.float32: (1.3e-6, 1e-5),
+    torch.float64: (1e-7, 1e-7),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 5e-2),
 }
 
 
@@ -81,7 +83,8 @@ def test_cuda_backend_matches_reference(
         grad, ref_grad = kt.values().grad, ref_kt.values().grad
         if grad is None or ref_grad is None:
             continue
-        torch.testing.assert_close(grad, ref_grad, **TOLERANCE[dtype])
+        rtol, atol = TOLERANCE[dtype]
+        torch.testing.assert_close(grad, ref_grad, rtol=rtol, atol=atol)
         for key, block in zip(kt.keys(), torch.split(grad, kt.length_per_key(), dim=key_dim), strict=True):
             if key not in used:
                 assert torch.equal(block, torch.zeros_like(block)), key
@@ -149,7 +152,9 @@ def test_cuda_module_and_compile(backend: str) -> None:
     kts = make_kts(keys, lengths, 64, torch.float32, 1, device="cuda")
     expected = reference(clone_kts(kts), groups)
     eager = module(kts)
-    compiled = torch.compile(lambda k: module(k), fullgraph=True)(kts)
+    # Inductor for the default path, aot_eager (faster to build) for the explicit backends.
+    compiler = "inductor" if backend == "auto" else "aot_eager"
+    compiled = torch.compile(lambda k: module(k), fullgraph=True, backend=compiler)(kts)
     for name, exp in zip(names, expected, strict=True):
         assert torch.equal(eager[name].detach(), exp.detach())
         assert torch.equal(compiled[name].detach(), exp.detach())

@@ -12,11 +12,13 @@ from kt_regroup.testing import clone_kts, make_kts, reference, run_backward
 
 CPU_BACKENDS = available_backends("cpu")
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# (rtol, atol): repeats are summed in another order (and, for fp16/bf16, with fewer roundings) than
+# autograd sums the reference's repeats, so low precision allows a few ulps for up to 8 repeats.
 TOLERANCE = {
-    torch.float32: {"rtol": 1.3e-6, "atol": 1e-5},
-    torch.float64: {"rtol": 1e-7, "atol": 1e-7},
-    torch.float16: {"rtol": 2e-3, "atol": 2e-3},
-    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1.6e-2},
+    torch.float32: (1.3e-6, 1e-5),
+    torch.float64: (1e-7, 1e-7),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 5e-2),
 }
 
 
@@ -62,7 +64,8 @@ def check_against_reference(
             continue
         if ref_grad is None:  # the reference never read this input
             ref_grad = torch.zeros_like(kt.values())
-        torch.testing.assert_close(grad, ref_grad, **TOLERANCE[grad.dtype])
+        rtol, atol = TOLERANCE[grad.dtype]
+        torch.testing.assert_close(grad, ref_grad, rtol=rtol, atol=atol)
         blocks = torch.split(grad, kt.length_per_key(), dim=kt.key_dim())
         for key, block in zip(kt.keys(), blocks, strict=True):
             if key not in used:

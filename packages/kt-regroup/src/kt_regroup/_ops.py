@@ -8,6 +8,7 @@ the output shapes; autograd is registered for both ops (the backward of the back
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -123,12 +124,10 @@ def _permute_backward_fake(
     return _shapes(grads[0], in_lengths, key_dim)
 
 
-def _setup_context(
-    ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...], output: object
-) -> None:
+def _setup_context(ctx: Any, inputs: tuple[object, ...], output: object) -> None:
     _, plan, meta, in_lengths, out_lengths, key_dim, backend = inputs
-    ctx.plan = plan  # type: ignore[attr-defined]  # int index tensors: no grad, not saved for backward
-    ctx.args = (meta, in_lengths, out_lengths, key_dim, backend)  # type: ignore[attr-defined]  # static ints
+    ctx.plan = plan  # int index tensors: no grad, not saved for backward
+    ctx.args = (meta, in_lengths, out_lengths, key_dim, backend)  # static ints
 
 
 def _materialize(
@@ -142,24 +141,20 @@ def _materialize(
     return [g if g is not None else z.zero_() for g, z in zip(grads, zeros, strict=False)]
 
 
-def _permute_autograd(
-    ctx: torch.autograd.function.FunctionCtx, grads: list[torch.Tensor | None]
-) -> tuple[object, ...]:
-    meta, in_lengths, out_lengths, key_dim, backend = ctx.args  # type: ignore[attr-defined]
+def _permute_autograd(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[object, ...]:
+    meta, in_lengths, out_lengths, key_dim, backend = ctx.args
     result = permute_backward(
         _materialize(grads, out_lengths, key_dim), ctx.plan, meta, in_lengths, out_lengths, key_dim, backend
-    )  # type: ignore[attr-defined]
-    return result, [None] * len(ctx.plan), None, None, None, None, None  # type: ignore[attr-defined]
+    )
+    return result, [None] * len(ctx.plan), None, None, None, None, None
 
 
-def _permute_backward_autograd(
-    ctx: torch.autograd.function.FunctionCtx, grads: list[torch.Tensor | None]
-) -> tuple[object, ...]:
-    meta, in_lengths, out_lengths, key_dim, backend = ctx.args  # type: ignore[attr-defined]
+def _permute_backward_autograd(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[object, ...]:
+    meta, in_lengths, out_lengths, key_dim, backend = ctx.args
     result = permute(
         _materialize(grads, in_lengths, key_dim), ctx.plan, meta, in_lengths, out_lengths, key_dim, backend
-    )  # type: ignore[attr-defined]
-    return result, [None] * len(ctx.plan), None, None, None, None, None  # type: ignore[attr-defined]
+    )
+    return result, [None] * len(ctx.plan), None, None, None, None, None
 
 
 permute.register_autograd(_permute_autograd, setup_context=_setup_context)

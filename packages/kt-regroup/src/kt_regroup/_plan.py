@@ -214,7 +214,7 @@ def _triton_plan(spec: RegroupSpec) -> tuple[list[IndexData], list[int]]:
             ncols = min(block, entry.length - start)
             fwd.append([entry.input, entry.in_offset + start, entry.group, entry.out_offset + start, ncols])
     bwd = []
-    occ = []
+    occ: list[list[int]] = []
     for key_id, (input_index, offset, length) in enumerate(spec.key_segments):
         users = [spec.entries[e] for e in spec.key_entries[key_id]]
         for start in range(0, length, block):

@@ -258,12 +258,12 @@ class KTRegroupAsDict(nn.Module):
             keys, lengths, self._groups, self._backend, key_dim, str(device), str(dtype)
         )
         data = PlanData(
-            index=index,  # type: ignore[arg-type]
-            meta=meta,  # type: ignore[arg-type]
-            in_lengths=in_lengths,  # type: ignore[arg-type]
-            out_lengths=out_lengths,  # type: ignore[arg-type]
-            key_dim=plan_key_dim,  # type: ignore[arg-type]
-            backend=backend,  # type: ignore[arg-type]
+            index=index,
+            meta=meta,
+            in_lengths=in_lengths,
+            out_lengths=out_lengths,
+            key_dim=plan_key_dim,
+            backend=backend,
         )
         if not data.out_lengths:
             return {}

@@ -103,7 +103,7 @@ def read_layout(keyed_tensors: Sequence[KeyedTensorLike]) -> InputLayout:
             between inputs, or the dtype is not floating point.
         LengthMismatchError: an input's ``length_per_key`` does not match its keys or its values' width.
     """
-    if isinstance(keyed_tensors, (str, bytes)) or not isinstance(keyed_tensors, Sequence):
+    if not isinstance(keyed_tensors, (list, tuple)):
         raise LayoutMismatchError(
             f"`keyed_tensors` must be a list of KeyedTensor-likes; got {type(keyed_tensors).__name__}"
         )

@@ -15,6 +15,7 @@ only per-call host work is the launch itself.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -25,8 +26,9 @@ from kt_regroup._plan import TRITON_MAX_TENSORS
 
 __all__ = ["triton_backward", "triton_forward"]
 
-BLOCK_B = 32
-NUM_WARPS = 4
+# Rows per program and warps per program; the environment overrides exist for tuning sweeps only.
+BLOCK_B = int(os.environ.get("KT_REGROUP_TRITON_BLOCK_B", "32"))
+NUM_WARPS = int(os.environ.get("KT_REGROUP_TRITON_NUM_WARPS", "4"))
 
 
 @triton.jit
@@ -50,7 +52,7 @@ def _pick(i, p0, p1, p2, p3, p4, p5, p6, p7):  # type: ignore[no-untyped-def]  #
 
 
 # Widths are never specialised: a width of 1 would become a constexpr and break the scalar selects.
-@triton.jit(do_not_specialize=[f"iw{i}" for i in range(8)] + [f"ow{i}" for i in range(8)])
+@triton.jit(do_not_specialize=[f"iw{i}" for i in range(8)] + [f"ow{i}" for i in range(8)])  # type: ignore[untyped-decorator]  # triton ships no types
 def _regroup_fwd_kernel(  # type: ignore[no-untyped-def]  # Triton JIT function
     tiles,
     batch,
@@ -81,7 +83,7 @@ def _regroup_fwd_kernel(  # type: ignore[no-untyped-def]  # Triton JIT function
     tl.store(dst + rows64 * dst_w + dst_col + cols[None, :], values, mask=mask)
 
 
-@triton.jit(do_not_specialize=[f"gw{i}" for i in range(8)] + [f"rw{i}" for i in range(8)])
+@triton.jit(do_not_specialize=[f"gw{i}" for i in range(8)] + [f"rw{i}" for i in range(8)])  # type: ignore[untyped-decorator]  # triton ships no types
 def _regroup_bwd_kernel(  # type: ignore[no-untyped-def]  # Triton JIT function
     tiles,
     occ,

@@ -172,7 +172,8 @@ def _measure(fn: Callable[[], None], device: torch.device) -> tuple[float, float
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # untyped in torch
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # untyped in torch
         t0 = time.perf_counter()
         start.record()
         fn()
@@ -185,13 +186,38 @@ def _measure(fn: Callable[[], None], device: torch.device) -> tuple[float, float
     return (time.perf_counter() - t0) * 1e3, None, None
 
 
+def _with_backward(
+    impl: Callable[[], list[torch.Tensor]], grads: list[torch.Tensor], kts: list[kt_regroup.KeyedTensor]
+) -> Callable[[], None]:
+    def call() -> None:
+        outs = impl()
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=False) if o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        for kt in kts:
+            kt.values().grad = None
+
+    return call
+
+
+def _no_grad(impl: Callable[[], list[torch.Tensor]]) -> Callable[[], None]:
+    def call() -> None:
+        with torch.no_grad():
+            impl()
+
+    return call
+
+
 def _copy_bandwidth(nbytes: int, device: torch.device, reps: int) -> float:
     """Bytes per ms (read + written) of a device copy of ``nbytes / 2`` bytes."""
     src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+
     times = []
     for _ in range(reps + 2):
-        host, gpu, _ = _measure(lambda: dst.copy_(src) and None, device)
+        host, gpu, _ = _measure(copy, device)
         times.append(gpu if gpu is not None else host)
     return 2 * src.numel() / statistics.median(times[2:])
 
@@ -243,28 +269,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         grads_out: list[torch.Tensor] | None = None
         calls: dict[str, Callable[[], None]] = {}
         for name, impl in impls.items():
-            if grad:
-                if grads_out is None:
-                    grads_out = [torch.randn_like(t) for t in impl()]
-
-                def call(
-                    impl: Callable[[], list[torch.Tensor]] = impl,
-                    grads: list[torch.Tensor] = grads_out,
-                    kts: list[kt_regroup.KeyedTensor] = setup.kts,
-                ) -> None:
-                    outs = impl()
-                    pairs = [(o, g) for o, g in zip(outs, grads, strict=False) if o.requires_grad]
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                    for kt in kts:
-                        kt.values().grad = None
-
-            else:
-
-                def call(impl: Callable[[], list[torch.Tensor]] = impl) -> None:
-                    with torch.no_grad():
-                        impl()
-
-            calls[name] = call
+            if grad and grads_out is None:
+                grads_out = [torch.randn_like(t) for t in impl()]
+            calls[name] = _with_backward(impl, grads_out or [], setup.kts) if grad else _no_grad(impl)
         for _ in range(args.warmup):
             for call in calls.values():
                 call()
