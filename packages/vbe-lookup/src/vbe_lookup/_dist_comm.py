@@ -1,0 +1,160 @@
+"""Collectives of the sharded modules: all-to-alls with explicit splits, timeouts and autograd.
+
+Every collective is issued with ``async_op=True`` and waited with the module's timeout, so a stuck or
+departed peer surfaces as :class:`CollectiveTimeoutError` (or :class:`PeerRankError` when the transport
+reports the peer gone) instead of a hang. gloo's list ``all_to_all`` needs equal sizes, so everything goes
+through ``all_to_all_single`` with split lists.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vbe_lookup._sharding_errors import CollectiveTimeoutError, PeerRankError
+
+__all__ = ["Communicator"]
+
+_MESSAGE_BYTES = 1024
+
+
+class Communicator:
+    """One process group, its rank, size, timeout and the device its tensors live on.
+
+    Args:
+        process_group: The group the module is sharded over (``None``: the default group).
+        timeout: Longest wait for any one collective.
+        device: Device of the tensors exchanged (CPU for gloo, the rank's CUDA device for NCCL).
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None,
+        timeout: datetime.timedelta,
+        device: torch.device,
+    ) -> None:
+        self.group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.timeout = timeout
+        self.device = device
+        # NCCL's ``wait(timeout)`` blocks the host until the collective finishes, which would serialize
+        # the pipeline; there the wait is stream-ordered and NCCL's watchdog (the process group's
+        # ``timeout``) bounds a stuck collective instead.
+        self._host_timeout = str(dist.get_backend(process_group)) != "nccl"
+
+    # -- waiting -----------------------------------------------------------------------------------
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for ``work`` at most ``timeout``; turn a timeout or a lost peer into our errors."""
+        try:
+            if self._host_timeout:
+                work.wait(self.timeout)
+            else:
+                work.wait()
+        except RuntimeError as err:
+            text = str(err)
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: {what} did not complete within `timeout`="
+                    f"{self.timeout.total_seconds():g}s (world size {self.world_size}); a peer rank is stuck, "
+                    f"gone, or called a different collective ({text.strip().splitlines()[0]})"
+                ) from err
+            raise PeerRankError(
+                f"rank {self.rank}: {what} failed (world size {self.world_size}): {text.strip()}"
+            ) from err
+
+    # -- all-to-all --------------------------------------------------------------------------------
+    def start_all_to_all(self, x: Tensor, out_splits: list[int], in_splits: list[int]) -> tuple[Tensor, Any]:
+        """Launch ``all_to_all_single`` of ``x`` (split along dim 0); returns ``(output, work)``."""
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        work = dist.all_to_all_single(
+            out, x.contiguous(), out_splits, in_splits, group=self.group, async_op=True
+        )
+        return out, work
+
+    def all_to_all(self, x: Tensor, out_splits: list[int], in_splits: list[int], what: str) -> Tensor:
+        """Blocking ``all_to_all_single`` (no autograd): rank ``r`` gets ``in_splits[r]`` rows of ``x``."""
+        out, work = self.start_all_to_all(x, out_splits, in_splits)
+        self.wait(work, what)
+        return out
+
+    def all_to_all_autograd(
+        self,
+        x: Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        what: str,
+        anchor: Tensor | None,
+    ) -> Tensor:
+        """``all_to_all_single`` whose backward is the reverse all-to-all of the gradient.
+
+        ``anchor`` (a 0-element leaf that requires grad) makes the output require grad on every rank even
+        when ``x`` does not (a rank that holds no tables), so that all ranks run the backward collective
+        together; pass it whenever grad mode is on.
+        """
+        if anchor is None and not x.requires_grad:
+            return self.all_to_all(x, out_splits, in_splits, what)
+        inputs = (x, anchor if anchor is not None else x.new_empty(0))
+        out: Tensor = _AllToAll.apply(self, what, out_splits, in_splits, *inputs)  # type: ignore[no-untyped-call]  # Function.apply is untyped
+        return out
+
+    # -- small exchanges ---------------------------------------------------------------------------
+    def all_gather_int64(self, values: list[int], what: str) -> list[list[int]]:
+        """All-gather a short int64 vector of equal length from every rank (host lists)."""
+        x = torch.tensor(values, dtype=torch.int64, device=self.device)
+        out = [torch.empty_like(x) for _ in range(self.world_size)]
+        work = dist.all_gather(out, x, group=self.group, async_op=True)
+        self.wait(work, what)
+        rows: list[list[int]] = torch.stack(out).tolist()
+        return rows
+
+    def gather_messages(self, message: str, what: str) -> list[str]:
+        """All-gather one UTF-8 message per rank (truncated to 1 KiB); every rank must call it."""
+        raw = message.encode("utf-8")[: _MESSAGE_BYTES - 1]
+        buf = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+        if raw:
+            buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        buf = buf.to(self.device)
+        out = [torch.empty_like(buf) for _ in range(self.world_size)]
+        work = dist.all_gather(out, buf, group=self.group, async_op=True)
+        self.wait(work, what)
+        texts = []
+        for t in out:
+            data = bytes(t.cpu().tolist())
+            texts.append(data.split(b"\0", 1)[0].decode("utf-8", errors="replace"))
+        return texts
+
+    def all_reduce_sum_(self, x: Tensor, what: str) -> None:
+        """In-place sum all-reduce of ``x`` over the group."""
+        work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self.wait(work, what)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable ``all_to_all_single``: backward sends each gradient block back to its source."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        comm: Communicator,
+        what: str,
+        out_splits: list[int],
+        in_splits: list[int],
+        x: Tensor,
+        anchor: Tensor,
+    ) -> Tensor:
+        ctx.comm = comm
+        ctx.what = what
+        ctx.splits = (out_splits, in_splits)
+        return comm.all_to_all(x.detach(), out_splits, in_splits, what)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None, Tensor, None]:
+        comm: Communicator = ctx.comm
+        out_splits, in_splits = ctx.splits
+        back = comm.all_to_all(grad.contiguous(), in_splits, out_splits, f"backward of {ctx.what}")
+        return None, None, None, None, back, None

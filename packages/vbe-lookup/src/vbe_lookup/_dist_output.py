@@ -1,0 +1,162 @@
+"""Output distribution: send each source rank its block of the lookup output and assemble it there.
+
+The owner's lookup output is 1-D, source rank → kernel group → feature → sample (or id) → dim, so the
+block of every source rank is contiguous: one ``all_to_all_single`` with explicit splits returns every
+block to its source, and its backward sends the gradient blocks back to the owners (whose fused
+optimizers then update their rows). On the source, one cached-index ``index_add`` places pooled blocks
+into ``[B, sum(dims)]`` (adding the partial sums of row-wise shards); sequence blocks are gathered back
+into the original id order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vbe_lookup._dist_comm import Communicator
+from vbe_lookup._dist_input import DistributedFeatures, SourceContext
+from vbe_lookup._sharding_plan import ShardingLayout
+from vbe_lookup.errors import BatchLayoutError
+
+__all__ = ["PooledOutputDist", "SequenceOutputDist"]
+
+_MAX_CACHE = 64
+
+
+class _OutputDistBase:
+    def __init__(self, layout: ShardingLayout, comm: Communicator) -> None:
+        self.layout = layout
+        self.comm = comm
+        self.world = layout.world_size
+        self.rank = comm.rank
+        self.s_max = max(1, *(len(r.slots) for r in layout.ranks))
+        self.feature_dims = [layout.tables[t].embedding_dim for t in layout.feature_table]
+        self.feature_index = {f: i for i, f in enumerate(layout.features)}
+
+    def _exchange(
+        self,
+        lookup_out: Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        anchor: Tensor | None,
+        what: str,
+    ) -> Tensor:
+        if lookup_out.numel() != sum(in_splits):
+            raise BatchLayoutError(
+                f"rank {self.rank}: the lookup returned {lookup_out.numel()} elements but the distributed "
+                f"batch needs {sum(in_splits)} ({in_splits} per source rank)"
+            )
+        return self.comm.all_to_all_autograd(lookup_out.reshape(-1), out_splits, in_splits, what, anchor)
+
+
+class PooledOutputDist(_OutputDistBase):
+    """Pooled output dist: owners' ``[source, slot, sample, dim]`` blocks → ``[B, sum(dims)]`` per source."""
+
+    def __init__(self, layout: ShardingLayout, comm: Communicator) -> None:
+        super().__init__(layout, comm)
+        self.dim_per_rank = [sum(r.slot_dims) for r in layout.ranks]
+        self.col_offset = [0]
+        for d in self.feature_dims:
+            self.col_offset.append(self.col_offset[-1] + d)
+        self.total_dim = self.col_offset[-1]
+        mean = [layout.tables[layout.feature_table[f]].pooling == "mean" for f in range(len(layout.features))]
+        self.has_mean = any(mean)
+        col_feature = torch.cat(
+            [torch.full((d,), f, dtype=torch.int64) for f, d in enumerate(self.feature_dims)]
+        )
+        self._col_feature = col_feature.to(comm.device)
+        self._col_mean = torch.tensor(mean, dtype=torch.bool)[col_feature].to(comm.device)
+        self._target_cache: dict[int, Tensor] = {}
+        self._inverse_key_cache: dict[tuple[str, ...], Tensor] = {}
+
+    def __call__(self, lookup_out: Tensor, dist: DistributedFeatures, anchor: Tensor | None) -> Tensor:
+        """Return ``[B, sum(dims)]`` pooled embeddings of the local batch, keys in global feature order."""
+        batch = dist.source.batch_size
+        in_splits = [b * self.dim_per_rank[self.rank] for b in dist.batch_size_per_rank]
+        out_splits = [batch * self.dim_per_rank[d] for d in range(self.world)]
+        recv = self._exchange(lookup_out, out_splits, in_splits, anchor, "pooled output dist")
+        out = recv.new_zeros(batch * self.total_dim).index_add(0, self._target(batch), recv)
+        out = out.view(batch, self.total_dim)
+        if self.has_mean and batch:
+            src = dist.source
+            lengths = src.lengths.view(len(src.keys), batch).index_select(0, self._inverse_keys(src))
+            # Mean pooling of the whole bag: the (partial) sums divided by the bag's length (empty: 0).
+            inv = lengths.t().to(out.dtype).clamp(min=1).reciprocal()  # [B, F]
+            scale = torch.where(
+                self._col_mean, inv[:, self._col_feature], torch.ones((), dtype=out.dtype, device=out.device)
+            )
+            out = out * scale
+        return out
+
+    def _target(self, batch: int) -> Tensor:
+        """Flat position in ``[B, sum(dims)]`` of every element received (owner → slot → sample → dim)."""
+        cached = self._target_cache.get(batch)
+        if cached is None:
+            if len(self._target_cache) >= _MAX_CACHE:
+                self._target_cache.clear()
+            parts = []
+            rows = torch.arange(batch, dtype=torch.int64)[:, None] * self.total_dim
+            for rl in self.layout.ranks:
+                for slot, dim in zip(rl.slots, rl.slot_dims, strict=True):
+                    col = self.col_offset[slot.feature] + torch.arange(dim, dtype=torch.int64)[None, :]
+                    parts.append((rows + col).reshape(-1))
+            cached = (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)).to(self.comm.device)
+            self._target_cache[batch] = cached
+        return cached
+
+    def _inverse_keys(self, src: SourceContext) -> Tensor:
+        keys = src.keys
+        cached = self._inverse_key_cache.get(keys)
+        if cached is None:
+            position = {k: i for i, k in enumerate(keys)}
+            cached = torch.tensor(
+                [position[f] for f in self.layout.features], dtype=torch.int64, device=self.comm.device
+            )
+            self._inverse_key_cache[keys] = cached
+        return cached
+
+
+class SequenceOutputDist(_OutputDistBase):
+    """Sequence output dist: one embedding per id, returned to the id's original position."""
+
+    def __call__(self, lookup_out: Tensor, dist: DistributedFeatures, anchor: Tensor | None) -> list[Tensor]:
+        """Return, per global feature, ``[ids of the feature in the local batch, dim]`` in input order."""
+        src = dist.source
+        my_dims = self.layout.ranks[self.rank].slot_dims
+        counts = dist.ids_per_slot_per_rank  # [S][W]
+        in_splits = [sum(counts[j][s] * my_dims[j] for j in range(len(my_dims))) for s in range(self.world)]
+        out_splits = [
+            sum(n * dim for n, dim in zip(src.sent[d], self.layout.ranks[d].slot_dims, strict=True))
+            for d in range(self.world)
+        ]
+        recv = self._exchange(lookup_out, out_splits, in_splits, anchor, "sequence output dist")
+
+        # Per padded segment (rank * S_max + slot): where it starts in the send order, in the received
+        # buffer, and its dim. Host lists of W * S_max entries, one small copy per step.
+        seg = self.world * self.s_max
+        send_start = [0] * seg
+        recv_start = [0] * seg
+        seg_dim = [0] * seg
+        ids = elems = 0
+        for d, rl in enumerate(self.layout.ranks):
+            for j, dim in enumerate(rl.slot_dims):
+                k = d * self.s_max + j
+                send_start[k], recv_start[k], seg_dim[k] = ids, elems, dim
+                ids += src.sent[d][j]
+                elems += src.sent[d][j] * dim
+        dev = recv.device
+        meta = torch.tensor([send_start, recv_start, seg_dim], dtype=torch.int64).to(dev, non_blocking=True)
+        s = src.sorted_segment
+        q = torch.arange(s.numel(), device=dev)
+        base = meta[1][s] + (q - meta[0][s]) * meta[2][s]  # [N] element offset of each sent id
+        base = base[src.inverse_perm]  # original id order (input key → sample → id)
+
+        out: list[Tensor] = [recv] * len(self.layout.features)  # every entry is replaced below
+        start = 0
+        for key in src.keys:
+            f = self.feature_index[key]
+            n = src.ids_per_feature[f]
+            index = base[start : start + n, None] + torch.arange(self.feature_dims[f], device=dev)
+            out[f] = recv[index]
+            start += n
+        return out

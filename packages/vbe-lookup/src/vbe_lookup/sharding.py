@@ -1,0 +1,662 @@
+"""Sharded embedding modules over ``torch.distributed``: table-wise and row-wise, VBE input and output dist.
+
+A plan places every table on one rank (:class:`TableWise`) or splits its rows over ranks
+(:class:`RowWise`), in named kernel groups. Each rank builds one kernel per kernel group it holds
+(``kernel_factory``; any ``EmbeddingKernel``: fbgemm TBE, :class:`~vbe_lookup.TorchEmbeddingKernel`, a
+key-value table) and looks them up together with :class:`~vbe_lookup.GroupedVBELookup`.
+
+One step (every rank runs the same calls, in the same order):
+
+1. ``start_input_dist(features)`` (local batch ``B`` samples, may be 0): bucketize every id to the rank
+   holding its row, exchange a small header (batch sizes, ids per feature, errors) and launch the lengths
+   all-to-all.
+2. ``wait_input_dist(handle)``: ids and weights all-to-all → :class:`DistributedFeatures` (a VBE batch:
+   each owned feature has a batch from every source rank).
+3. ``forward``: the lookup writes one 1-D output (source → group → feature → sample → dim), the output
+   all-to-all returns every source its block, and the source assembles :class:`PooledEmbeddings`
+   ``[B, sum(dims)]`` (row-wise partial sums added, mean applied) or, for
+   :class:`ShardedSequenceEmbeddings`, one embedding per id (:class:`SequenceEmbeddings`).
+4. backward: the gradient goes back through the output all-to-all to the owners, whose fused
+   optimizers update their rows; weights that require grad get theirs through the input all-to-all.
+
+``state_dict()`` gathers every table to its unsharded ``[num_embeddings, embedding_dim]`` layout on
+every rank (``f"{table}.weight"``, plus ``f"{table}.momentum"`` for row-wise Adagrad), and
+``load_state_dict`` scatters such a dict back to whatever plan and world size the module has: a model
+trained on N ranks resumes on M.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from vbe_lookup import _fbgemm
+from vbe_lookup._dist_comm import Communicator
+from vbe_lookup._dist_input import DistributedFeatures, InputDist, InputDistHandle
+from vbe_lookup._dist_output import PooledOutputDist, SequenceOutputDist
+from vbe_lookup._features import VBEFeatures, complete_cumsum
+from vbe_lookup._grouped import GroupedVBELookup, KernelGroup
+from vbe_lookup._sharding_errors import (
+    CollectiveTimeoutError,
+    PeerRankError,
+    ShardingPlanError,
+    UnknownFeatureError,
+)
+from vbe_lookup._sharding_plan import (
+    KernelSpec,
+    RowWise,
+    ShardingLayout,
+    ShardingPlan,
+    TableConfig,
+    TableShard,
+    TableWise,
+)
+from vbe_lookup._torch_kernel import Optimizer, TorchEmbeddingKernel
+from vbe_lookup.errors import InvalidFeaturesError, VBELookupError
+from vbe_lookup.interfaces import EmbeddingKernel
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "DistributedFeatures",
+    "InputDistHandle",
+    "KernelFactory",
+    "KernelSpec",
+    "PeerRankError",
+    "PooledEmbeddings",
+    "RowWise",
+    "SequenceEmbeddings",
+    "ShardedEmbeddingBags",
+    "ShardedSequenceEmbeddings",
+    "ShardingPlan",
+    "ShardingPlanError",
+    "TableConfig",
+    "TableWise",
+    "UnknownFeatureError",
+    "torch_kernel_factory",
+]
+
+KernelFactory = Callable[[KernelSpec], EmbeddingKernel]
+"""Builds the kernel of one kernel group of one rank from its :class:`KernelSpec`."""
+
+_DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def torch_kernel_factory(
+    *,
+    optimizer: Optimizer | None = "sgd",
+    learning_rate: float = 0.01,
+    eps: float = 1.0e-8,
+    weights_dtype: torch.dtype = torch.float32,
+) -> KernelFactory:
+    """A ``kernel_factory`` building :class:`~vbe_lookup.TorchEmbeddingKernel` s (sum pooling).
+
+    Args:
+        optimizer: fused optimizer (``"sgd"``, ``"rowwise_adagrad"``) or ``None`` for plain parameters.
+        learning_rate: step size of the fused optimizer.
+        eps: Adagrad epsilon.
+        weights_dtype: dtype of the table rows.
+    """
+
+    def build(spec: KernelSpec) -> EmbeddingKernel:
+        return TorchEmbeddingKernel(
+            list(spec.num_embeddings),
+            list(spec.embedding_dims),
+            feature_table_map=list(spec.feature_table_map),
+            pooling="sum",
+            optimizer=optimizer,
+            learning_rate=learning_rate,
+            eps=eps,
+            weights_dtype=weights_dtype,
+            device=spec.device,
+        )
+
+    return build
+
+
+class PooledEmbeddings:
+    """Pooled embeddings of the local batch; a KeyedTensor-like object (kt-regroup accepts it).
+
+    ``values()`` is ``[B, sum(dims)]`` (``key_dim() == 1``), keys in the module's feature order (tables
+    in the given order, each table's features in order).
+    """
+
+    __slots__ = ("_keys", "_length_per_key", "_offsets", "_values")
+
+    def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor) -> None:
+        self._keys = list(keys)
+        self._length_per_key = [int(n) for n in length_per_key]
+        self._values = values
+        offsets = [0]
+        for n in self._length_per_key:
+            offsets.append(offsets[-1] + n)
+        self._offsets = offsets
+
+    def keys(self) -> list[str]:
+        """Feature names."""
+        return list(self._keys)
+
+    def length_per_key(self) -> list[int]:
+        """Embedding dim of each key."""
+        return list(self._length_per_key)
+
+    def offset_per_key(self) -> list[int]:
+        """``[F + 1]`` column offsets of the keys in ``values()``."""
+        return list(self._offsets)
+
+    def values(self) -> Tensor:
+        """``[B, sum(dims)]`` pooled embeddings (``B`` may be 0)."""
+        return self._values
+
+    def key_dim(self) -> int:
+        """Always 1: keys are laid out along the columns."""
+        return 1
+
+    def __getitem__(self, key: str) -> Tensor:
+        i = self._keys.index(key)
+        return self._values[:, self._offsets[i] : self._offsets[i + 1]]
+
+    def to_dict(self) -> dict[str, Tensor]:
+        """``{key: [B, dim]}`` views."""
+        return {k: self[k] for k in self._keys}
+
+    def __repr__(self) -> str:
+        return f"PooledEmbeddings(keys={self._keys}, values={tuple(self._values.shape)} {self._values.dtype})"
+
+
+class SequenceEmbeddings:
+    """Unpooled (sequence) embeddings of the local batch: one row per id, jagged per key.
+
+    ``embeddings(key)`` is ``[n_key, dim_key]`` in the input's id order (sample by sample);
+    ``lengths(key)`` is ``[B]`` the number of ids of each sample.
+    """
+
+    __slots__ = ("_embeddings", "_index", "_keys", "_lengths")
+
+    def __init__(self, keys: Sequence[str], embeddings: Sequence[Tensor], lengths: Tensor) -> None:
+        self._keys = list(keys)
+        self._embeddings = list(embeddings)
+        self._lengths = lengths
+        self._index = {k: i for i, k in enumerate(self._keys)}
+
+    def keys(self) -> list[str]:
+        """Feature names (module order)."""
+        return list(self._keys)
+
+    def embeddings(self, key: str) -> Tensor:
+        """``[n_key, dim]`` one embedding per id of ``key``."""
+        return self._embeddings[self._index[key]]
+
+    def lengths(self, key: str) -> Tensor:
+        """``[B]`` ids per sample of ``key``."""
+        return self._lengths[self._index[key]]
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self.embeddings(key)
+
+    def to_dict(self) -> dict[str, Tensor]:
+        """``{key: [n_key, dim]}``."""
+        return {k: self._embeddings[i] for i, k in enumerate(self._keys)}
+
+    def __repr__(self) -> str:
+        shapes = {k: tuple(e.shape) for k, e in zip(self._keys, self._embeddings, strict=True)}
+        return f"SequenceEmbeddings({shapes})"
+
+
+class _ShardedModule(nn.Module):
+    """Plan check, kernels, two-phase input dist, pipelined-input FIFO, prefetch and state dict."""
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        plan: ShardingPlan,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        kernel_factory: KernelFactory | None = None,
+        device: torch.device | str | None = None,
+        output_dtype: torch.dtype | None = None,
+        timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise ShardingPlanError(
+                "torch.distributed is not initialized: call `torch.distributed.init_process_group` first"
+            )
+        if device is None:
+            backend = str(dist.get_backend(process_group))
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
+        device = torch.device(device)
+        self._comm = Communicator(process_group, timeout, device)
+        comm = self._comm
+
+        # Validate locally, then agree on every rank: a bad plan raises everywhere, never hangs a peer.
+        error: VBELookupError | None = None
+        layout: ShardingLayout | None = None
+        try:
+            layout = ShardingLayout.build(tables, plan)
+            if plan.world_size != comm.world_size:
+                raise ShardingPlanError(
+                    f"`plan` is for `world_size`={plan.world_size} but `process_group` has "
+                    f"{comm.world_size} ranks; build the plan for the group you shard over"
+                )
+        except VBELookupError as err:
+            error = err
+        fingerprint = layout.fingerprint if layout is not None else 0
+        rows = comm.all_gather_int64([int(error is not None), fingerprint], "plan check")
+        if any(r[0] for r in rows):
+            messages = comm.gather_messages(str(error) if error is not None else "", "plan check report")
+            if error is not None:
+                raise error
+            failed = [i for i, r in enumerate(rows) if r[0]]
+            raise PeerRankError(
+                f"rank {comm.rank}: rank(s) {', '.join(map(str, failed))} rejected the tables/plan: "
+                + "; ".join(f"rank {i}: {messages[i]}" for i in failed)
+            )
+        if len({r[1] for r in rows}) > 1:
+            raise ShardingPlanError(
+                f"rank {comm.rank}: the ranks were built with different `tables`/`plan` (fingerprints "
+                f"{[r[1] for r in rows]}); every rank must pass the same tables and plan"
+            )
+        assert layout is not None  # error is None here, so build() returned
+        self.layout = layout
+        self.output_dtype: torch.dtype = torch.float32 if output_dtype is None else output_dtype
+        self.device = device
+
+        factory = kernel_factory if kernel_factory is not None else torch_kernel_factory()
+        self._specs = tuple(dataclasses.replace(s, device=device) for s in layout.ranks[comm.rank].kernels)
+        self._kernels: list[EmbeddingKernel] = [factory(spec) for spec in self._specs]
+        groups = [
+            KernelGroup(kernel, spec.feature_names, [spec.embedding_dims[t] for t in spec.feature_table_map])
+            for kernel, spec in zip(self._kernels, self._specs, strict=True)
+        ]
+        self.lookup: GroupedVBELookup | None = (
+            GroupedVBELookup(groups, output_dtype=self.output_dtype, check_indices="never")
+            if groups
+            else None
+        )
+        self._input_dist = InputDist(layout, comm)
+        self._queue: collections.deque[DistributedFeatures] = collections.deque()
+        self.register_state_dict_post_hook(_state_dict_post_hook)  # type: ignore[no-untyped-call]  # untyped in torch
+        self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)  # type: ignore[no-untyped-call]  # untyped in torch
+
+    # ------------------------------------------------------------------ description
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group the module is sharded over."""
+        return self._comm.group
+
+    @property
+    def rank(self) -> int:
+        """This rank in the process group."""
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the process group."""
+        return self._comm.world_size
+
+    def feature_names(self) -> list[str]:
+        """Every feature the module serves, in output order."""
+        return list(self.layout.features)
+
+    def kernel_specs(self) -> list[KernelSpec]:
+        """What each of this rank's kernels holds."""
+        return list(self._specs)
+
+    def kernels(self) -> list[EmbeddingKernel]:
+        """This rank's kernels, one per kernel group it holds (possibly none)."""
+        return list(self._kernels)
+
+    # ------------------------------------------------------------------ input dist
+    def start_input_dist(self, features: Any) -> InputDistHandle:
+        """Start distributing this rank's local batch (``KeyedJaggedTensorLike``, ``[[B]] * F`` strides).
+
+        Exchanges the header (host sync) and launches the lengths all-to-all. Any bad input on any rank
+        (unknown or missing features, ids out of range, inconsistent lengths) raises on every rank:
+        the offending rank gets the specific error, the others :class:`PeerRankError`.
+        """
+        return self._input_dist.start(features)
+
+    def wait_input_dist(self, handle: InputDistHandle) -> DistributedFeatures:
+        """Finish the input dist: ids and weights all-to-all; returns this rank's VBE features."""
+        return self._input_dist.wait(handle, _anchor(self.device))
+
+    def enqueue_pipelined_input(self, dist_features: DistributedFeatures) -> None:
+        """Queue distributed features; the next ``forward`` uses them (FIFO) instead of distributing."""
+        if not isinstance(dist_features, DistributedFeatures):
+            raise InvalidFeaturesError(
+                f"`dist_features` must come from `wait_input_dist`, got {type(dist_features).__name__}"
+            )
+        self._queue.append(dist_features)
+
+    def prefetch(
+        self, dist_features: DistributedFeatures, forward_stream: torch.cuda.Stream | None = None
+    ) -> None:
+        """Call ``prefetch(indices, offsets, batch_size_per_feature_per_rank)`` on every kernel that has it.
+
+        fbgemm TBEs get ``forward_stream`` too (they record their cache tensors on it) and are skipped
+        when they have no cache (their ``prefetch`` would have nothing to do).
+        """
+        features = self._kernel_features(dist_features)
+        stride = features.stride_per_key_per_rank()
+        per_key = features.length_per_key()
+        slot = bag = value = 0
+        for spec, kernel in zip(self._specs, self._kernels, strict=True):
+            n_slots = len(spec.feature_names)
+            rows = stride[slot : slot + n_slots]
+            n_bags = sum(sum(r) for r in rows)
+            n_values = sum(per_key[slot : slot + n_slots])
+            fetch = getattr(kernel, "prefetch", None)
+            if callable(fetch) and _has_cache(kernel):
+                lengths = features.lengths()[bag : bag + n_bags]
+                indices = features.values()[value : value + n_values]
+                offsets = complete_cumsum(lengths.to(indices.dtype))
+                if _fbgemm.is_fbgemm_tbe(kernel):
+                    fetch(
+                        indices, offsets, forward_stream=forward_stream, batch_size_per_feature_per_rank=rows
+                    )
+                else:
+                    fetch(indices, offsets, batch_size_per_feature_per_rank=rows)
+            slot, bag, value = slot + n_slots, bag + n_bags, value + n_values
+
+    def _next_input(self, features: Any) -> DistributedFeatures:
+        if self._queue:
+            return self._queue.popleft()
+        if features is None:
+            raise InvalidFeaturesError("`features` is required when no pipelined input is queued")
+        return self.wait_input_dist(self.start_input_dist(features))
+
+    def _lookup(self, features: VBEFeatures, anchor: Tensor | None) -> Tensor:
+        if self.lookup is None:
+            out = torch.zeros(0, dtype=self.output_dtype, device=self.device)
+        else:
+            out = self.lookup(features).values()
+        weights = features.weights_or_none()
+        if anchor is not None and weights is not None and weights.requires_grad:
+            # Every rank must run the backward of the weights all-to-all; tie the weights to the output.
+            out = _TieGrad.apply(out, weights)  # type: ignore[no-untyped-call]  # Function.apply is untyped
+        return out
+
+    def _kernel_features(self, dist_features: DistributedFeatures) -> VBEFeatures:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ state dict
+    def _local_shards(self) -> Iterator[tuple[TableShard, Tensor, Tensor | None]]:
+        """``(shard, weight [rows, dim], momentum [rows] or None)`` of every shard on this rank."""
+        for spec, kernel in zip(self._specs, self._kernels, strict=True):
+            split = getattr(kernel, "split_embedding_weights", None)
+            if not callable(split):
+                raise VBELookupError(
+                    f"the kernel of group `{spec.group}` ({type(kernel).__name__}) has no "
+                    "`split_embedding_weights()`, so its tables cannot be saved or loaded"
+                )
+            weights = list(split())
+            momenta = _momenta(kernel, spec)
+            for i, name in enumerate(spec.table_names):
+                table = [t.name for t in self.layout.tables].index(name)
+                shard = next(s for s in self.layout.shards[table] if s.rank == self.rank)
+                yield shard, weights[i], momenta[i]
+
+    def _gathered_tables(self) -> dict[str, Tensor]:
+        """Every table, unsharded, on every rank (float32, module device): one all-reduce."""
+        comm, tables = self._comm, self.layout.tables
+        local = list(self._local_shards())
+        flags = torch.zeros(len(tables), dtype=torch.int64, device=self.device)
+        for shard, _, momentum in local:
+            if momentum is not None:
+                flags[shard.table] = 1
+        comm.all_reduce_sum_(flags, "state_dict momentum flags")
+        has_momentum = [bool(f) for f in flags.tolist()]
+        sizes = [t.num_embeddings * t.embedding_dim for t in tables]
+        sizes += [t.num_embeddings if m else 0 for t, m in zip(tables, has_momentum, strict=True)]
+        flat = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
+        parts = list(torch.split(flat, sizes))
+        with torch.no_grad():
+            for shard, weight, momentum in local:
+                dim = tables[shard.table].embedding_dim
+                full = parts[shard.table].view(-1, dim)
+                full[shard.row_start : shard.row_start + shard.num_rows] = weight.to(torch.float32)
+                if momentum is not None:
+                    m = parts[len(tables) + shard.table]
+                    m[shard.row_start : shard.row_start + shard.num_rows] = momentum.reshape(-1).to(
+                        torch.float32
+                    )
+        comm.all_reduce_sum_(flat, "state_dict gather")
+        out: dict[str, Tensor] = {}
+        for t, table in enumerate(tables):
+            out[f"{table.name}.weight"] = parts[t].view(table.num_embeddings, table.embedding_dim)
+            if has_momentum[t]:
+                out[f"{table.name}.momentum"] = parts[len(tables) + t]
+        return out
+
+    def _scatter_tables(
+        self, state: dict[str, Any], prefix: str, missing: list[str], errors: list[str]
+    ) -> None:
+        """Copy the rows of this rank's shards out of unsharded ``state`` (pops the table keys)."""
+        tables = self.layout.tables
+        full: dict[int, Tensor] = {}
+        moments: dict[int, Tensor] = {}
+        for t, table in enumerate(tables):
+            key = f"{prefix}{table.name}.weight"
+            value = state.pop(key, None)
+            m_value = state.pop(f"{prefix}{table.name}.momentum", None)
+            if value is None:
+                missing.append(key)
+                continue
+            shape = (table.num_embeddings, table.embedding_dim)
+            if not isinstance(value, Tensor) or tuple(value.shape) != shape:
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                errors.append(f"`{key}` must be the unsharded table {shape}, got {got}")
+                continue
+            full[t] = value
+            if isinstance(m_value, Tensor) and m_value.numel() == table.num_embeddings:
+                moments[t] = m_value.reshape(-1)
+        with torch.no_grad():
+            for shard, weight, momentum in self._local_shards():
+                rows = slice(shard.row_start, shard.row_start + shard.num_rows)
+                if shard.table in full:
+                    weight.copy_(full[shard.table][rows])
+                if momentum is not None and shard.table in moments:
+                    momentum.copy_(moments[shard.table][rows].reshape(momentum.shape))
+
+
+def _has_cache(kernel: object) -> bool:
+    """fbgemm TBEs always have ``prefetch``; only those with a cache (UVM caching) need it."""
+    if not _fbgemm.is_fbgemm_tbe(kernel):
+        return True
+    cache = getattr(kernel, "lxu_cache_weights", None)
+    return isinstance(cache, Tensor) and cache.numel() > 0
+
+
+def _momenta(kernel: object, spec: KernelSpec) -> list[Tensor | None]:
+    """Row-wise optimizer state per table (``[rows]``), when the kernel exposes one."""
+    states = getattr(kernel, "split_optimizer_states", None)
+    out: list[Tensor | None] = [None] * len(spec.table_names)
+    if not callable(states):
+        return out
+    value = states()
+    if not isinstance(value, (list, tuple)) or len(value) != len(spec.table_names):
+        return out
+    for i, item in enumerate(value):
+        if isinstance(item, (list, tuple)):
+            item = item[0] if len(item) == 1 else None
+        if isinstance(item, Tensor) and item.numel() == spec.num_embeddings[i]:
+            out[i] = item
+    return out
+
+
+def _state_dict_post_hook(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """Replace the kernels' sharded entries by the unsharded tables (a collective: every rank calls it)."""
+    del local_metadata
+    assert isinstance(module, _ShardedModule)
+    for key in [k for k in state if k.startswith(prefix)]:
+        del state[key]
+    for key, value in module._gathered_tables().items():
+        state[prefix + key] = value
+
+
+def _load_state_dict_pre_hook(
+    module: nn.Module,
+    state: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Scatter unsharded tables into this rank's shards; the kernels then reload their current state."""
+    del local_metadata, strict, unexpected_keys
+    assert isinstance(module, _ShardedModule)
+    module._scatter_tables(state, prefix, missing_keys, error_msgs)
+    for name, child in module._modules.items():
+        if child is not None:
+            state.update(child.state_dict(prefix=f"{prefix}{name}."))
+
+
+class ShardedEmbeddingBags(_ShardedModule):
+    """Table-wise / row-wise sharded pooled embedding bags; ``forward`` returns :class:`PooledEmbeddings`.
+
+    Args:
+        tables: The tables (:class:`TableConfig`), identical on every rank.
+        plan: Where each table lives (:class:`ShardingPlan`), identical on every rank; its
+            ``world_size`` must equal the process group's size.
+        process_group: The group to shard over (``None``: the default group).
+        kernel_factory: Builds each kernel from a :class:`KernelSpec` (sum pooling, optimizer fused into
+            the backward). Default: :func:`torch_kernel_factory` (``TorchEmbeddingKernel``, SGD, lr 0.01).
+        device: Device of the kernels and of the features (default: CPU for gloo, the current CUDA
+            device for NCCL).
+        output_dtype: dtype of the pooled output (default float32); the same on every rank.
+        timeout: Longest wait for any one collective before :class:`CollectiveTimeoutError`.
+
+    Every rank must call the same methods in the same order (as with any collective), and, when
+    training, run ``backward`` on a loss that depends on the output (an empty local batch included).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        plan: ShardingPlan,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        kernel_factory: KernelFactory | None = None,
+        device: torch.device | str | None = None,
+        output_dtype: torch.dtype | None = None,
+        timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(
+            tables,
+            plan,
+            process_group,
+            kernel_factory=kernel_factory,
+            device=device,
+            output_dtype=output_dtype,
+            timeout=timeout,
+        )
+        self._output_dist = PooledOutputDist(self.layout, self._comm)
+
+    def _kernel_features(self, dist_features: DistributedFeatures) -> VBEFeatures:
+        return dist_features.features
+
+    def forward(self, features: Any = None) -> PooledEmbeddings:
+        """Pooled embeddings ``[B, sum(dims)]`` of this rank's local batch.
+
+        Args:
+            features: The local batch (``KeyedJaggedTensorLike`` with ``[[B]] * F`` strides), or
+                ``None`` when distributed features were queued with :meth:`enqueue_pipelined_input`
+                (then they are used and ``features`` is ignored).
+        """
+        dist_features = self._next_input(features)
+        anchor = _anchor(self.device)
+        out = self._lookup(dist_features.features, anchor)
+        values = self._output_dist(out, dist_features, anchor)
+        return PooledEmbeddings(self.layout.features, self._output_dist.feature_dims, values)
+
+
+class ShardedSequenceEmbeddings(_ShardedModule):
+    """Sharded unpooled (sequence) lookup: one embedding per id; ``forward`` returns :class:`SequenceEmbeddings`.
+
+    Same arguments, plans and input dist as :class:`ShardedEmbeddingBags`; the kernels see every id as a
+    bag of one, so any ``EmbeddingKernel`` serves sequence lookups. Per-id weights are ignored.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        plan: ShardingPlan,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        kernel_factory: KernelFactory | None = None,
+        device: torch.device | str | None = None,
+        output_dtype: torch.dtype | None = None,
+        timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(
+            tables,
+            plan,
+            process_group,
+            kernel_factory=kernel_factory,
+            device=device,
+            output_dtype=output_dtype,
+            timeout=timeout,
+        )
+        self._output_dist = SequenceOutputDist(self.layout, self._comm)
+
+    def _kernel_features(self, dist_features: DistributedFeatures) -> VBEFeatures:
+        f = dist_features.features
+        n = f.values().numel()
+        counts = dist_features.ids_per_slot_per_rank
+        return VBEFeatures(
+            f.keys(),
+            f.values(),
+            torch.ones(n, dtype=torch.int64, device=f.values().device),
+            counts,
+            None,
+            length_per_key=[sum(row) for row in counts],
+        )
+
+    def forward(self, features: Any = None) -> SequenceEmbeddings:
+        """One embedding per id of this rank's local batch (see :meth:`ShardedEmbeddingBags.forward`)."""
+        dist_features = self._next_input(features)
+        anchor = _anchor(self.device)
+        out = self._lookup(self._kernel_features(dist_features), anchor)
+        embeddings = self._output_dist(out, dist_features, anchor)
+        src = dist_features.source
+        batch = src.batch_size
+        lengths = src.lengths.view(len(src.keys), batch)
+        position = {k: i for i, k in enumerate(src.keys)}
+        order = torch.tensor(
+            [position[f] for f in self.layout.features], dtype=torch.int64, device=lengths.device
+        )
+        return SequenceEmbeddings(self.layout.features, embeddings, lengths.index_select(0, order))
+
+
+def _anchor(device: torch.device) -> Tensor | None:
+    """A 0-element leaf requiring grad (grad mode only) that keeps every rank's collectives in the graph."""
+    if not torch.is_grad_enabled():
+        return None
+    return torch.zeros(0, device=device, requires_grad=True)
+
+
+class _TieGrad(torch.autograd.Function):
+    """Identity on ``out`` whose backward also gives ``weights`` a (zero) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, weights: Tensor) -> Tensor:
+        ctx.weights_meta = (weights.shape, weights.dtype, weights.device)
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        shape, dtype, device = ctx.weights_meta
+        return grad, torch.zeros(shape, dtype=dtype, device=device)

@@ -1,0 +1,313 @@
+"""Sharded embedding bags: plans, layouts, single-rank properties and multi-process equivalence.
+
+The multi-process tests spawn 2 and 3 gloo ranks (one spawn each, many checks per spawn: a spawn costs
+seconds of torch import) and compare with an unsharded single-process lookup over the concatenated
+global batch; see ``_dist_workers.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _dist_harness
+import _dist_workers
+from _dist_workers import (
+    FEATURES,
+    TABLES,
+    Reference,
+    backward,
+    close,
+    initial_tables,
+    make_batches,
+    per_feature,
+)
+
+from vbe_lookup._sharding_plan import ShardingLayout
+from vbe_lookup.sharding import (
+    PooledEmbeddings,
+    RowWise,
+    SequenceEmbeddings,
+    ShardedEmbeddingBags,
+    ShardedSequenceEmbeddings,
+    ShardingPlan,
+    ShardingPlanError,
+    TableConfig,
+    TableWise,
+    UnknownFeatureError,
+    torch_kernel_factory,
+)
+
+# ---------------------------------------------------------------------------------------- plans
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"name": "", "num_embeddings": 3, "embedding_dim": 2, "feature_names": ("f",)}, "`name`"),
+        ({"name": "t", "num_embeddings": 0, "embedding_dim": 2, "feature_names": ("f",)}, "`num_embeddings`"),
+        ({"name": "t", "num_embeddings": 3, "embedding_dim": 0, "feature_names": ("f",)}, "`embedding_dim`"),
+        ({"name": "t", "num_embeddings": 3, "embedding_dim": 2, "feature_names": ()}, "`feature_names`"),
+        (
+            {"name": "t", "num_embeddings": 3, "embedding_dim": 2, "feature_names": ("f",), "pooling": "max"},
+            "`pooling`",
+        ),
+    ],
+    ids=["empty-name", "no-rows", "no-dim", "no-features", "bad-pooling"],
+)
+def test_table_config_rejects_bad_values(kwargs: dict[str, object], match: str) -> None:
+    """A bad table config raises ShardingPlanError naming the argument."""
+    with pytest.raises(ShardingPlanError, match=match):
+        TableConfig(**kwargs)  # type: ignore[arg-type]  # deliberately loose kwargs
+
+
+def _t(name: str, rows: int, *features: str) -> TableConfig:
+    return TableConfig(name=name, num_embeddings=rows, embedding_dim=2, feature_names=features)
+
+
+@pytest.mark.parametrize(
+    ("tables", "placements", "world", "match"),
+    [
+        ([_t("a", 4, "x")], {"a": TableWise(rank=0), "b": TableWise(rank=0)}, 1, "`b`"),
+        ([_t("a", 4, "x"), _t("b", 4, "y")], {"a": TableWise(rank=0)}, 1, "table `b` has no placement"),
+        ([_t("a", 4, "x")], {"a": TableWise(rank=2)}, 2, "rank 2 is outside"),
+        ([_t("a", 2, "x")], {"a": RowWise()}, 3, "needs `num_embeddings` >= 3"),
+        (
+            [_t("a", 4, "x"), _t("b", 4, "x")],
+            {"a": TableWise(rank=0), "b": TableWise(rank=0)},
+            1,
+            "feature `x`",
+        ),
+        ([_t("a", 4, "x"), _t("a", 4, "y")], {"a": TableWise(rank=0)}, 1, "duplicate"),
+        ([_t("a", 4, "x")], {"a": RowWise(ranks=(0, 0))}, 2, "repeats a rank"),
+        ([], {}, 1, "`tables` is empty"),
+    ],
+    ids=[
+        "unknown-table",
+        "missing-placement",
+        "rank-out-of-range",
+        "too-few-rows",
+        "shared-feature",
+        "dup-table",
+        "dup-rank",
+        "no-tables",
+    ],
+)
+def test_layout_rejects_bad_plans(
+    tables: list[TableConfig], placements: dict[str, TableWise | RowWise], world: int, match: str
+) -> None:
+    """Plans that cannot be built raise ShardingPlanError with the offending name."""
+    with pytest.raises(ShardingPlanError, match=match):
+        ShardingLayout.build(tables, ShardingPlan(world_size=world, placements=placements))
+
+
+def test_row_wise_split_is_balanced_and_contiguous() -> None:
+    """Row-wise shards cover the table once, in order, sizes differing by at most one row."""
+    layout = ShardingLayout.build([_t("a", 10, "x")], ShardingPlan(world_size=3, placements={"a": RowWise()}))
+    shards = layout.shards[0]
+    assert [(s.rank, s.row_start, s.num_rows) for s in shards] == [(0, 0, 4), (1, 4, 3), (2, 7, 3)]
+
+
+def test_layout_orders_slots_by_kernel_group() -> None:
+    """A rank's slots follow its kernel groups (plan order), each group's tables and features in order."""
+    tables = [_t("a", 4, "x", "y"), _t("b", 4, "z"), _t("c", 4, "w")]
+    plan = ShardingPlan(
+        world_size=2,
+        placements={
+            "a": TableWise(rank=0, group="g1"),
+            "b": RowWise(group="g2"),
+            "c": TableWise(rank=0, group="g1"),
+        },
+    )
+    layout = ShardingLayout.build(tables, plan)
+    r0 = layout.ranks[0]
+    assert [k.group for k in r0.kernels] == ["g1", "g2"]
+    assert [layout.features[s.feature] for s in r0.slots] == ["x", "y", "w", "z"]
+    assert r0.kernels[0].feature_table_map == (0, 0, 1)
+    assert [layout.features[s.feature] for s in layout.ranks[1].slots] == ["z"]
+    assert layout.ranks[1].kernels[0].row_offsets == (2,)
+
+
+def test_table_wise_helper_balances_parameters() -> None:
+    """``ShardingPlan.table_wise`` puts the largest tables on different ranks."""
+    tables = [_t("big", 100, "x"), _t("mid", 60, "y"), _t("small", 50, "z")]
+    plan = ShardingPlan.table_wise(tables, 2)
+    ranks = {name: p.rank for name, p in plan.placements.items() if isinstance(p, TableWise)}
+    assert ranks["big"] != ranks["mid"]
+    assert ranks["mid"] == ranks["small"]
+
+
+def test_pooled_embeddings_is_keyed_tensor_like() -> None:
+    """PooledEmbeddings exposes the KeyedTensor methods kt-regroup consumes."""
+    values = torch.arange(10.0).view(2, 5)
+    kt = PooledEmbeddings(["a", "b"], [2, 3], values)
+    assert kt.keys() == ["a", "b"]
+    assert kt.length_per_key() == [2, 3]
+    assert kt.key_dim() == 1
+    assert kt.offset_per_key() == [0, 2, 5]
+    torch.testing.assert_close(kt["b"], values[:, 2:])
+    assert set(kt.to_dict()) == {"a", "b"}
+
+
+def test_module_needs_initialized_process_group() -> None:
+    """Without torch.distributed initialized the module says so instead of failing deep inside."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(ShardingPlanError, match="init_process_group"):
+        ShardedEmbeddingBags(TABLES, ShardingPlan.table_wise(TABLES, 1))
+
+
+# --------------------------------------------------------------------- single rank, in process
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Iterator[None]:
+    """A 1-rank gloo group in this process (no spawn) for property tests of the whole path."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    port = _dist_harness.free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), batch=st.integers(0, 5), weighted=st.booleans(), row_wise=st.booleans())
+def test_single_rank_matches_reference(
+    one_rank: None, seed: int, batch: int, weighted: bool, row_wise: bool
+) -> None:
+    """On one rank, pooled and sequence outputs and one SGD step equal the unsharded reference."""
+    del one_rank
+    plan = ShardingPlan(
+        world_size=1,
+        placements={
+            t.name: RowWise(group="g") if row_wise else TableWise(rank=0, group=t.name) for t in TABLES
+        },
+    )
+    init = initial_tables(seed)
+    batches = make_batches(seed, [batch], weighted)
+    features = batches[0].features(torch.device("cpu"))
+
+    pooled = ShardedEmbeddingBags(
+        TABLES, plan, kernel_factory=torch_kernel_factory(learning_rate=_dist_workers.LR)
+    )
+    pooled.load_state_dict(init)
+    ref = Reference(init, "sgd")
+    out = pooled(features)
+    expected = ref.pooled(batches)
+    close(out.values(), expected.detach())
+    g = _dist_workers.grad_seed(seed, batch)
+    backward((out.values() * g).sum())
+    backward((expected * g).sum())
+    ref.step()
+    _dist_workers.check_state(pooled, ref, "single rank")
+
+    seq = ShardedSequenceEmbeddings(TABLES, plan)
+    seq.load_state_dict(init)
+    got = seq(features)
+    assert isinstance(got, SequenceEmbeddings)
+    assert got.keys() == list(FEATURES)
+    want = Reference(init, "sgd").sequence(batches)
+    for f in FEATURES:
+        close(got[f], want[f][0].detach())
+        torch.testing.assert_close(got.lengths(f), per_feature(batches[0], f)[1])
+
+
+def test_single_rank_rejects_unknown_feature(one_rank: None) -> None:
+    """An input key no table serves raises UnknownFeatureError naming it and the known features."""
+    del one_rank
+    m = ShardedEmbeddingBags(TABLES, ShardingPlan.table_wise(TABLES, 1))
+    batch = make_batches(0, [2], False)[0]
+    batch = _dist_workers.LocalBatch(["zz", *batch.keys[1:]], batch.values, batch.lengths, None, 2)
+    with pytest.raises(UnknownFeatureError, match=r"`zz`.*known features: f0"):
+        m(batch.features(torch.device("cpu")))
+
+
+def test_single_rank_pipelined_input_is_fifo(one_rank: None) -> None:
+    """Queued distributed features are consumed first in, first out by the next forwards."""
+    del one_rank
+    m = ShardedEmbeddingBags(TABLES, ShardingPlan.table_wise(TABLES, 1))
+    b1, b2 = (make_batches(s, [n], False)[0] for s, n in ((1, 2), (2, 3)))
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        direct = [m(b.features(cpu)).values() for b in (b1, b2)]
+        for b in (b1, b2):
+            m.enqueue_pipelined_input(m.wait_input_dist(m.start_input_dist(b.features(cpu))))
+        queued = [m(None).values(), m(None).values()]
+    for a, b in zip(direct, queued, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_single_rank_state_dict_nested_in_a_model(one_rank: None) -> None:
+    """Inside a larger model the state dict holds unsharded tables under the module's prefix, loads
+    back strictly, and a missing table is reported as a missing key."""
+    del one_rank
+    plan = ShardingPlan(world_size=1, placements={t.name: RowWise() for t in TABLES})
+    model = torch.nn.ModuleDict({"ebc": ShardedEmbeddingBags(TABLES, plan), "dense": torch.nn.Linear(2, 2)})
+    state = model.state_dict()
+    assert {k for k in state if k.startswith("ebc.")} == {f"ebc.{t.name}.weight" for t in TABLES}
+    init = initial_tables(3)
+    state.update({f"ebc.{k}": v for k, v in init.items()})
+    model.load_state_dict(state)
+    for k, v in init.items():
+        close(model.state_dict()[f"ebc.{k}"], v)
+    del state["ebc.t1.weight"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*ebc\.t1\.weight"):
+        model.load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------ multi-process
+
+
+@pytest.mark.distributed
+def test_two_ranks_gloo_equal_unsharded_reference() -> None:
+    """2 gloo ranks: outputs, weight grads and tables after k steps equal the unsharded reference;
+    bad input and bad plans raise on every rank; a missing peer times out instead of hanging."""
+    reports = _dist_harness.run_ranks(_dist_workers.two_ranks, 2, timeout_s=240)
+    for r in reports:
+        assert (r["sgd"], r["adagrad"], r["sequence"]) == (True, True, True)
+    assert reports[0]["errors"] == ["PeerRankError", "IndexOutOfRangeError", *["ShardingPlanError"] * 3]
+    assert reports[1]["errors"] == [
+        "UnknownFeatureError",
+        "PeerRankError",
+        "ShardingPlanError",
+        "ShardingPlanError",
+        "PeerRankError",
+    ]
+    assert 0.9 <= reports[0]["timeout_s"] < 10
+
+
+@pytest.mark.distributed
+def test_three_ranks_gloo_equal_unsharded_reference_and_resume_2_on_3() -> None:
+    """3 gloo ranks (one holding no table): equivalence as for 2 ranks, and a model trained on a
+    2-rank group resumes on 3 ranks with another plan (row-wise Adagrad state included)."""
+    reports = _dist_harness.run_ranks(_dist_workers.three_ranks, 3, timeout_s=300)
+    for r in reports:
+        assert (r["sgd"], r["adagrad"], r["sequence"], r["resumed"]) == (True, True, True, True)
+    assert reports[1]["prefetch"] == []  # rank 1 holds no table, so no kernel
+    assert reports[2]["errors"][0] == "UnknownFeatureError"
+    assert reports[0]["errors"][1] == "IndexOutOfRangeError"
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_two_gpus_nccl_equal_unsharded_reference() -> None:
+    """2 GPUs over NCCL: the 2-rank equivalence and error checks (run with NCCL_NVLS_ENABLE=0)."""
+    if torch.cuda.device_count() < 2 and os.environ.get("REQUIRE_GPU") != "1":
+        pytest.skip("needs 2 CUDA devices")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    reports = _dist_harness.run_ranks(_dist_workers.nccl_two_ranks, 2, backend="nccl", timeout_s=300)
+    for r in reports:
+        assert (r["sgd"], r["adagrad"], r["sequence"]) == (True, True, True)
