@@ -297,5 +297,24 @@ def test_reset_drops_contexts_after_waiting() -> None:
     assert log == [("start", 0), ("wait", 0), ("forward_plain", 0)]
 
 
-def any_value(x: Any) -> Any:
-    return x
+def test_torchrec_stage_layout_names_work() -> None:
+    """torchrec's callback names (wait_sdd_fill_callback, data_exhausted_callback) drive the same lockstep."""
+    log: list[tuple[str, int]] = []
+    model = Model(log)
+    sdd = SparseDataDistUtil(model)
+    pipeline = StagedTrainPipeline(
+        [
+            PipelineStage("data_copy", lambda b: b),
+            PipelineStage(
+                "start_sparse_data_dist",
+                sdd.start_sparse_data_dist,
+                fill_callback=sdd.wait_sdd_fill_callback,
+                data_exhausted_callback=sdd.data_exhausted_callback,
+            ),
+            PipelineStage("prefetch", sdd.prefetch, fill_callback=sdd.load_prefetch),
+        ]
+    )
+    it = iter(make_batches(5))
+    while (batch := pipeline.progress(it)) is not None:
+        model(batch)
+    assert [i for kind, i in log if kind == "forward_pipelined"] == [0, 1, 2, 3, 4]
