@@ -26,7 +26,14 @@ def _write(path: Path, package: str, **extra: object) -> None:
                 "peak_mem_bytes": 3 * 2**20,
                 "speedup": 5.5,
             },
-            {"case": "B=512", "impl": "fbgemm", "median_ms": 7.0, "p10_ms": 6.0, "p90_ms": 8.0, "peak_mem_bytes": 0},
+            {
+                "case": "B=512",
+                "impl": "fbgemm",
+                "median_ms": 7.0,
+                "p10_ms": 6.0,
+                "p90_ms": 8.0,
+                "peak_mem_bytes": 0,
+            },
         ],
         **extra,
     }
@@ -37,7 +44,9 @@ def test_render_has_one_section_per_file_with_date_device_command_table_and_plot
     """Each JSON becomes a section: metadata lines, a row per result (extra keys as columns), its PNG linked."""
     bench = tmp_path / "docs" / "bench"
     bench.mkdir(parents=True)
-    _write(bench / "kt-regroup-cpu.json", "kt-regroup", date="2026-11-30", command="python -m kt_regroup.bench")
+    _write(
+        bench / "kt-regroup-cpu.json", "kt-regroup", date="2026-11-30", command="python -m kt_regroup.bench"
+    )
     (bench / "kt-regroup-cpu.png").write_bytes(b"\x89PNG")
     _write(bench / "vbe-lookup-cpu.json", "vbe-lookup")
     text = bench_report.render(bench, tmp_path / "docs")

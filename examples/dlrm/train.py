@@ -1,0 +1,639 @@
+"""The DLRM training worker: one process per rank, started by torchrun (or by :mod:`examples.dlrm.launch`).
+
+``torchrun --nproc-per-node 2 -m examples.dlrm.train --out runs/x`` trains on CPU with gloo (NCCL on GPUs):
+the batches go through pipeline-stages' ``StagedTrainPipeline`` (data_copy → start_sparse_data_dist → prefetch),
+the embedding tables are sharded table-wise by vbe-lookup's ``ShardedEmbeddingBags`` (small tables in fbgemm TBEs,
+Criteo's big ones in ssd-tbe-adapter key-value tables on RocksDB in the run folder), ``KTRegroupAsDict`` forms the
+interaction group. Rank 0 shows a progress bar, and at the end writes ``summary.md``/``summary.json`` and
+``loss_qps.png`` into the run folder; ``checkpoint/`` holds the last checkpoint, which ``--resume`` continues from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from examples.dlrm.data import (
+    CRITEO_KAGGLE_CARDINALITIES,
+    NUM_DENSE,
+    SPARSE_FEATURES,
+    CriteoTSVReader,
+    DLRMBatch,
+    SyntheticConfig,
+    SyntheticCriteo,
+)
+from examples.dlrm.embeddings import EmbeddingConfig, ShardedTables, build_sharded_tables
+from examples.dlrm.model import DLRM
+from examples.dlrm.report import ProgressBar, format_table, plot_history
+from pipeline_stages import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
+
+__all__ = ["TrainConfig", "TrainResult", "main", "parse_args", "train"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a run needs; the defaults are the README's main job (2 CPU processes, a few minutes)."""
+
+    out: Path
+    steps: int = 300
+    batch_size: int = 256
+    min_batch_size: int | None = 128
+    embedding_dim: int = 16
+    bottom_layers: tuple[int, ...] = (64, 32)
+    top_layers: tuple[int, ...] = (64, 32)
+    max_rows: int = 20_000
+    kv_rows_threshold: int = 1_000_000
+    kv_max_rows: int = 10_000_000
+    cache_rows: int = 4096
+    kv_store: str = "rocksdb"
+    tbe: str = "auto"
+    dense_lr: float = 0.05
+    sparse_lr: float = 0.05
+    optimizer: str = "rowwise_adagrad"
+    zipf_alpha: float = 1.05
+    seed: int = 0
+    data: tuple[Path, ...] = ()
+    pipeline: bool = True
+    resume: bool = False
+    checkpoint_every: int = 0
+    log_every: int = 25
+    regroup_backend: str = "auto"
+    device: str = "auto"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def embedding_config(self, world_size: int) -> EmbeddingConfig:
+        """Table layout and kernels of the sharded embedding module."""
+        return EmbeddingConfig(
+            embedding_dim=self.embedding_dim,
+            table_rows=self.synthetic(0, world_size).table_rows,
+            kv_features=tuple(
+                f
+                for f, c in zip(SPARSE_FEATURES, CRITEO_KAGGLE_CARDINALITIES, strict=True)
+                if c >= self.kv_rows_threshold
+            ),
+            cache_rows=self.cache_rows,
+            kv_store=self.kv_store,
+            tbe=self.tbe,
+            optimizer=self.optimizer,
+            learning_rate=self.sparse_lr,
+            seed=self.seed,
+        )
+
+    def synthetic(self, rank: int, world_size: int) -> SyntheticConfig:
+        """Synthetic data of this rank: small tables capped at ``max_rows``, key-value ones at ``kv_max_rows``."""
+        del rank, world_size
+        return SyntheticConfig(
+            batch_size=self.batch_size,
+            min_batch_size=self.min_batch_size,
+            num_batches=self.steps,
+            max_rows=self.kv_max_rows,
+            zipf_alpha=self.zipf_alpha,
+            seed=self.seed,
+            cardinalities=tuple(
+                c if c >= self.kv_rows_threshold else min(c, self.max_rows)
+                for c in SyntheticConfig().cardinalities
+            ),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainResult:
+    """What one rank's run produced (returned to tests; rank 0 also writes it to the run folder)."""
+
+    rank: int
+    steps: int
+    losses: list[float]
+    samples: list[int]
+    step_seconds: list[float]
+    dense_state: dict[str, torch.Tensor]
+    embedding_state: dict[str, torch.Tensor]
+    summary: dict[str, Any]
+
+
+def _device(config: TrainConfig) -> torch.device:
+    if config.device != "auto":
+        return torch.device(config.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _batches(config: TrainConfig, rank: int, world_size: int, start: int) -> Iterator[DLRMBatch]:
+    """This rank's batches from step ``start`` on (synthetic, or Criteo TSV with ``--data``)."""
+    if config.data:
+        reader = CriteoTSVReader(
+            config.data,
+            batch_size=config.batch_size,
+            table_rows=config.embedding_config(world_size).table_rows,
+            rank=rank,
+            world_size=world_size,
+        )
+        for index, batch in enumerate(reader):
+            if index >= config.steps:
+                return
+            if index >= start:
+                yield batch
+        return
+    source = SyntheticCriteo(config.synthetic(rank, world_size), rank=rank, world_size=world_size)
+    for index in range(start, config.steps):
+        yield source.batch(index)
+
+
+class _Timer:
+    """Accumulates wall time per phase of the step (host time; on CUDA it includes waits that sync)."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = {}
+        self._start = 0.0
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.total[name] = self.total.get(name, 0.0) + now - self._start
+        self._start = now
+
+
+def _all_reduce_dense_grads(params: Sequence[torch.nn.Parameter], world_size: int) -> None:
+    """Average the replicated parameters' gradients over the ranks, in one flat all-reduce."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if world_size > 1:
+        dist.all_reduce(flat)
+        flat /= world_size
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        n = g.numel()
+        p.grad = flat[offset : offset + n].view_as(p)
+        offset += n
+
+
+def _new_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # unannotated in torch
+
+
+def _all_or_none(batch: DLRMBatch | None) -> DLRMBatch | None:
+    """``batch``, or None on every rank as soon as one rank has run out of data (uneven Criteo files)."""
+    flag = torch.tensor([0 if batch is None else 1], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return batch if int(flag) == 1 else None
+
+
+def _checkpoint_dir(out: Path) -> Path:
+    return out / "checkpoint"
+
+
+def save_checkpoint(
+    out: Path,
+    rank: int,
+    step: int,
+    model: DLRM,
+    tables: ShardedTables,
+    optimizer: torch.optim.Optimizer,
+    history: dict[str, list[float]],
+) -> None:
+    """Checkpoint of this rank: dense weights + optimizer, its embedding shards (TBE weights and optimizer state),
+    and a flush of its key-value tables (whose rows stay in the RocksDB store of the run folder)."""
+    tables.flush()
+    folder = _checkpoint_dir(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {
+        "step": step,
+        "dense": model.dense_state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "embeddings": tables.local_state(),
+        "history": history,
+    }
+    tmp = folder / f"rank{rank}.pt.tmp"
+    torch.save(state, tmp)
+    tmp.replace(folder / f"rank{rank}.pt")
+
+
+def load_checkpoint(
+    out: Path, rank: int, model: DLRM, tables: ShardedTables, optimizer: torch.optim.Optimizer
+) -> tuple[int, dict[str, list[float]]]:
+    """Restore what :func:`save_checkpoint` wrote; returns (next step, history)."""
+    path = _checkpoint_dir(out) / f"rank{rank}.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"`--resume` given but {path} does not exist")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_dense_state_dict(state["dense"])
+    optimizer.load_state_dict(state["optimizer"])
+    tables.load_local_state(state["embeddings"])
+    return int(state["step"]), {k: list(v) for k, v in state["history"].items()}
+
+
+def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: bool = False) -> TrainResult:
+    """Train on this rank (the default process group must be initialised, every rank calls this).
+
+    ``collect_kv_rows`` puts every key-value row into the result's ``embedding_state`` (for tests).
+    """
+    device = _device(config)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    config.out.mkdir(parents=True, exist_ok=True)
+    group = dist.group.WORLD
+    tables = build_sharded_tables(
+        config.embedding_config(world_size),
+        rank=rank,
+        world_size=world_size,
+        process_group=group,
+        device=device,
+        workdir=config.out / "kv",
+    )
+    model = DLRM(
+        sparse_arch=tables.module,
+        sparse_features=SPARSE_FEATURES,
+        embedding_dim=config.embedding_dim,
+        num_dense=NUM_DENSE,
+        bottom_layers=config.bottom_layers,
+        top_layers=config.top_layers,
+        regroup_backend=config.regroup_backend,
+        seed=config.seed,
+    ).to(device)
+    dense_params = model.dense_parameters()
+    optimizer = torch.optim.Adagrad(dense_params, lr=config.dense_lr)
+
+    start = 0
+    history: dict[str, list[float]] = {"loss": [], "samples": [], "seconds": []}
+    if config.resume:
+        start, history = load_checkpoint(config.out, rank, model, tables, optimizer)
+
+    timer = _Timer()
+    bar = ProgressBar(config.steps, every=config.log_every, enabled=rank == 0)
+    losses: list[float] = []
+    samples: list[int] = []
+    seconds: list[float] = []
+    batches = _batches(config, rank, world_size, start)
+
+    pipeline: StagedTrainPipeline | None = None
+    sdd: SparseDataDistUtil | None = None
+    if config.pipeline:
+        cuda = device.type == "cuda"
+        copy_stream = _new_stream(device) if cuda else None
+        sdd = SparseDataDistUtil(
+            model,
+            data_dist_stream=_new_stream(device) if cuda else None,
+            prefetch_stream=_new_stream(device) if cuda else None,
+        )
+        pipeline = StagedTrainPipeline(
+            pipeline_stages=[
+                PipelineStage(
+                    name="data_copy", runnable=lambda b: b.to(device, non_blocking=True), stream=copy_stream
+                ),
+                PipelineStage(
+                    name="start_sparse_data_dist",
+                    runnable=sdd.start_sparse_data_dist,
+                    stream=sdd.data_dist_stream,
+                    fill_callback=sdd.wait_sparse_data_dist,
+                ),
+                PipelineStage(
+                    name="prefetch",
+                    runnable=sdd.prefetch,
+                    stream=sdd.prefetch_stream,
+                    fill_callback=sdd.load_prefetch,
+                ),
+            ],
+            # Criteo files dealt round-robin can leave one rank a batch short: stop all ranks together.
+            exhaustion_group=group if config.data else None,
+            device_timing=cuda,
+        )
+
+    step = start
+    window_samples = 0
+    window_start = time.perf_counter()
+    recent_loss: list[float] = []
+    wall_start = time.perf_counter()
+    while True:
+        step_start = time.perf_counter()
+        timer.start()
+        batch: DLRMBatch | None
+        if pipeline is not None:
+            batch = pipeline.progress(batches)
+        else:
+            batch = next(batches, None)
+            if config.data:
+                batch = _all_or_none(batch)
+            if batch is not None:
+                batch = batch.to(device, non_blocking=True)
+        timer.lap("data + pipeline stages")
+        if batch is None:
+            break
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(batch)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        timer.lap("forward")
+        loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is unannotated in torch
+        timer.lap("backward (incl. fused sparse optimizer)")
+        _all_reduce_dense_grads(dense_params, world_size)
+        optimizer.step()
+        timer.lap("dense all-reduce + optimizer")
+        step += 1
+        loss_value = float(loss.detach())
+        losses.append(loss_value)
+        samples.append(batch.batch_size)
+        seconds.append(time.perf_counter() - step_start)
+        recent_loss.append(loss_value)
+        window_samples += batch.batch_size
+        if step % config.log_every == 0 or step == config.steps:
+            stats = torch.tensor([float(window_samples), sum(recent_loss), float(len(recent_loss))])
+            if world_size > 1:
+                dist.all_reduce(stats)
+            elapsed = time.perf_counter() - window_start
+            bar.update(step, float(stats[1] / stats[2]), float(stats[0]) / max(elapsed, 1e-9))
+            window_samples, recent_loss, window_start = 0, [], time.perf_counter()
+        elif rank == 0:
+            bar.update(step, loss_value, batch.batch_size * world_size / max(seconds[-1], 1e-9))
+        if config.checkpoint_every and step % config.checkpoint_every == 0:
+            save_checkpoint(
+                config.out, rank, step, model, tables, optimizer, _merged(history, losses, samples, seconds)
+            )
+        timer.lap("logging + checkpoint")
+    bar.close()
+    wall = time.perf_counter() - wall_start
+    if sdd is not None:
+        sdd.detach()
+
+    history = _merged(history, losses, samples, seconds)
+    save_checkpoint(config.out, rank, step, model, tables, optimizer, history)
+    summary = _summarize(config, rank, world_size, device, timer, wall, history, tables, pipeline, start)
+    dense_state = model.dense_state_dict()
+    embedding_state = tables.local_state(include_kv=collect_kv_rows)
+    tables.close()
+    return TrainResult(
+        rank=rank,
+        steps=step,
+        losses=losses,
+        samples=samples,
+        step_seconds=seconds,
+        dense_state=dense_state,
+        embedding_state=embedding_state,
+        summary=summary,
+    )
+
+
+def _merged(
+    history: dict[str, list[float]], losses: list[float], samples: list[int], seconds: list[float]
+) -> dict[str, list[float]]:
+    return {
+        "loss": history["loss"] + losses,
+        "samples": history["samples"] + [float(s) for s in samples],
+        "seconds": history["seconds"] + seconds,
+    }
+
+
+def _summarize(
+    config: TrainConfig,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timer: _Timer,
+    wall: float,
+    history: dict[str, list[float]],
+    tables: ShardedTables,
+    pipeline: StagedTrainPipeline | None,
+    start: int,
+) -> dict[str, Any]:
+    """Gather per-step numbers over the ranks; rank 0 writes summary.md, summary.json and the plot."""
+    steps = len(history["loss"])
+    per_step = torch.tensor([history["samples"], history["loss"], history["seconds"]], dtype=torch.float64)
+    phases = sorted(timer.total)
+    phase_t = torch.tensor([timer.total[p] for p in phases], dtype=torch.float64)
+    kv = tables.kv_metrics()
+    kv_keys = ("hits", "lookups", "forward_hits", "forward_lookups")
+    kv_t = torch.tensor([kv.get(k, 0.0) for k in kv_keys], dtype=torch.float64)
+    wall_t = torch.tensor([wall], dtype=torch.float64)
+    if world_size > 1:
+        dist.all_reduce(per_step[0])  # samples: sum over ranks
+        dist.all_reduce(per_step[1])
+        per_step[1] /= world_size  # loss: mean over ranks
+        dist.all_reduce(per_step[2], op=dist.ReduceOp.MAX)  # step time: the slowest rank
+        dist.all_reduce(phase_t)
+        phase_t /= world_size
+        dist.all_reduce(kv_t)
+        dist.all_reduce(wall_t, op=dist.ReduceOp.MAX)
+    stage_stats = _stage_stats(pipeline)
+    if rank != 0:
+        return {}
+    run_steps = steps - start
+    run_samples = float(per_step[0, start:].sum())
+    run_wall = float(wall_t)
+    qps = [float(s / max(t, 1e-9)) for s, t in zip(per_step[0].tolist(), per_step[2].tolist(), strict=True)]
+    losses = per_step[1].tolist()
+    head = max(1, min(20, steps // 10))
+    hit_rate = float(kv_t[0] / kv_t[1]) if float(kv_t[1]) > 0 else float("nan")
+    forward_hit_rate = float(kv_t[2] / kv_t[3]) if float(kv_t[3]) > 0 else float("nan")
+    summary: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": _device_name(device),
+        "torch": torch.__version__,
+        "world_size": world_size,
+        "backend": str(dist.get_backend()),
+        "steps": steps,
+        "steps_this_run": run_steps,
+        "wall_seconds": run_wall,
+        "samples_this_run": run_samples,
+        "qps": run_samples / max(run_wall, 1e-9),
+        "qps_steady": _steady_qps(per_step[0, start:].tolist(), per_step[2, start:].tolist()),
+        "loss_first": sum(losses[:head]) / head,
+        "loss_last": sum(losses[-head:]) / head,
+        "kv_cache_hit_rate": hit_rate,
+        "kv_forward_hit_rate": forward_hit_rate,
+        "kv_metrics_rank0": kv,
+        "phase_ms_per_step": {
+            p: 1e3 * float(t) / max(run_steps, 1) for p, t in zip(phases, phase_t, strict=True)
+        },
+        "pipeline_stage_ms": stage_stats,
+        "tables": tables.describe(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()},
+    }
+    summary["config"]["data"] = [str(p) for p in config.data]
+    rows: list[list[object]] = [
+        ["steps (this run)", f"{run_steps} ({steps} total)"],
+        ["ranks × device", f"{world_size} × {summary['device']} ({summary['backend']})"],
+        ["wall time", f"{run_wall:.1f} s"],
+        ["QPS (samples/s, all ranks)", f"{summary['qps']:,.0f}"],
+        ["QPS steady state (after warm-up)", f"{summary['qps_steady']:,.0f}"],
+        ["loss first → last (mean of 20 steps)", f"{summary['loss_first']:.4f} → {summary['loss_last']:.4f}"],
+        ["key-value cache hit rate (first look, all ranks)", _percent(hit_rate)],
+        ["key-value hit rate at forward (after prefetch)", _percent(forward_hit_rate)],
+    ]
+    phase_rows: list[list[object]] = [[p, ms] for p, ms in summary["phase_ms_per_step"].items()]
+    stage_rows: list[list[object]] = [[name, ms] for name, ms in stage_stats.items()]
+    text = [
+        f"# DLRM run {config.out.name}",
+        "",
+        format_table(rows, ["metric", "value"]),
+        "",
+        "## Step time per phase (ms per step, mean over ranks)",
+        "",
+        format_table(phase_rows, ["phase", "ms / step"]),
+    ]
+    if stage_rows:
+        text += [
+            "",
+            "## Pipeline stages (ms per batch, rank 0)",
+            "",
+            format_table(stage_rows, ["stage", "ms / batch"]),
+        ]
+    text += ["", "## Tables", "", format_table(tables.describe(), ["table", "rows", "rank", "kernel"]), ""]
+    md = "\n".join(text)
+    (config.out / "summary.md").write_text(md, encoding="utf-8")
+    (config.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    plotted = plot_history(
+        config.out / "loss_qps.png",
+        list(range(1, steps + 1)),
+        losses,
+        qps,
+        f"DLRM, {world_size} × {summary['device']}: loss and QPS",
+    )
+    print("\n" + md, file=sys.stderr)
+    print(
+        f"outputs: {config.out}/summary.md, summary.json" + (", loss_qps.png" if plotted else ""),
+        file=sys.stderr,
+    )
+    return summary
+
+
+def _percent(rate: float) -> str:
+    return "n/a (no key-value tables)" if rate != rate else f"{rate:.1%}"
+
+
+def _steady_qps(samples: list[float], seconds: list[float]) -> float:
+    skip = min(len(samples) // 5, 20)
+    total_t = sum(seconds[skip:])
+    return sum(samples[skip:]) / total_t if total_t > 0 else 0.0
+
+
+def _stage_stats(pipeline: StagedTrainPipeline | None) -> dict[str, float]:
+    if pipeline is None:
+        return {}
+    stats = pipeline.stats()
+    out: dict[str, float] = {}
+    for name, value in stats.items():
+        mean = value.device_ms_mean if value.device_ms_mean is not None else value.host_ms_mean
+        out[str(name)] = float(mean)
+    return out
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    """The command line of the worker (and of the launcher, which forwards it)."""
+    defaults = TrainConfig(out=Path("runs/dlrm"))
+    p = argparse.ArgumentParser(prog="python -m examples.dlrm.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="run folder (outputs, RocksDB store, checkpoint)")
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="largest local batch per rank")
+    p.add_argument("--min-batch-size", type=int, default=defaults.min_batch_size, help="smallest local batch")
+    p.add_argument("--embedding-dim", type=int, default=defaults.embedding_dim)
+    p.add_argument("--bottom-layers", type=_ints, default=defaults.bottom_layers, help="e.g. 64,32")
+    p.add_argument("--top-layers", type=_ints, default=defaults.top_layers, help="e.g. 64,32")
+    p.add_argument("--max-rows", type=int, default=defaults.max_rows, help="row cap of the TBE tables")
+    p.add_argument(
+        "--kv-rows-threshold",
+        type=int,
+        default=defaults.kv_rows_threshold,
+        help="tables with at least this many (Criteo) rows live in key-value tables",
+    )
+    p.add_argument(
+        "--kv-max-rows", type=int, default=defaults.kv_max_rows, help="id space cap of key-value tables"
+    )
+    p.add_argument(
+        "--cache-rows", type=int, default=defaults.cache_rows, help="cache rows per key-value kernel"
+    )
+    p.add_argument("--kv-store", choices=["rocksdb", "memory"], default=defaults.kv_store)
+    p.add_argument("--tbe", choices=["auto", "fbgemm", "torch"], default=defaults.tbe)
+    p.add_argument("--dense-lr", type=float, default=defaults.dense_lr)
+    p.add_argument("--sparse-lr", type=float, default=defaults.sparse_lr)
+    p.add_argument("--optimizer", choices=["rowwise_adagrad", "sgd"], default=defaults.optimizer)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument(
+        "--data", type=Path, nargs="*", default=[], help="Criteo TSV file(s) instead of synthetic data"
+    )
+    p.add_argument("--no-pipeline", action="store_true", help="plain loop instead of the StagedTrainPipeline")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
+    p.add_argument("--log-every", type=int, default=defaults.log_every)
+    p.add_argument("--regroup-backend", default=defaults.regroup_backend)
+    p.add_argument("--device", default=defaults.device, help="auto, cpu, cuda")
+    a = p.parse_args(argv)
+    return TrainConfig(
+        out=a.out,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        min_batch_size=a.min_batch_size,
+        embedding_dim=a.embedding_dim,
+        bottom_layers=a.bottom_layers,
+        top_layers=a.top_layers,
+        max_rows=a.max_rows,
+        kv_rows_threshold=a.kv_rows_threshold,
+        kv_max_rows=a.kv_max_rows,
+        cache_rows=a.cache_rows,
+        kv_store=a.kv_store,
+        tbe=a.tbe,
+        dense_lr=a.dense_lr,
+        sparse_lr=a.sparse_lr,
+        optimizer=a.optimizer,
+        seed=a.seed,
+        data=tuple(a.data),
+        pipeline=not a.no_pipeline,
+        resume=a.resume,
+        checkpoint_every=a.checkpoint_every,
+        log_every=a.log_every,
+        regroup_backend=a.regroup_backend,
+        device=a.device,
+    )
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of one torchrun worker."""
+    config = parse_args(argv)
+    backend = "nccl" if _device(config).type == "cuda" else "gloo"
+    timeout = dt.timedelta(seconds=120)
+    if "RANK" in os.environ:  # started by torchrun
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:  # a plain `python -m examples.dlrm.train`: a world of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(backend=backend, rank=0, world_size=1, timeout=timeout)
+    try:
+        train(config, rank=dist.get_rank(), world_size=dist.get_world_size())
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
