@@ -75,11 +75,15 @@ class TableCache:
         victims = torch.topk(scores, k, largest=False, sorted=False).indices
         return free, victims
 
-    def drop(self, slots: torch.Tensor) -> None:
-        """Forget the rows in ``slots`` (host int64); the caller has written dirty ones back already."""
+    def drop(self, slots: torch.Tensor, *, reindex: bool = True) -> None:
+        """Forget the rows in ``slots`` (host int64); the caller has written dirty ones back already.
+
+        ``reindex=False`` defers the index rebuild to the :meth:`fill` that must follow under the same lock.
+        """
         self.valid[slots] = False
         self.dirty[slots] = False
-        self._rebuild()
+        if reindex:
+            self._rebuild()
 
     def fill(
         self, slots: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, tick: int

@@ -390,14 +390,22 @@ class KeyValueEmbeddingBags(nn.Module):
         self._pending.append(_Pending(indices=indices, future=future))
         self._metrics.prefetches += 1
 
+    def wait_prefetch(self) -> None:
+        """Block until every pending prefetch has finished its store reads and cache inserts.
+
+        The prefetches stay queued: the next forwards still consume them in order. Raises what a failed
+        prefetch raised (for example a store error).
+        """
+        for pending in list(self._pending):
+            pending.future.result()
+
     def flush(self) -> None:
         """Write every dirty cached row to the store and make the store durable (``store.flush()``).
 
         Waits for pending prefetches first (they are still consumed by later forwards).
         """
         self._check_open()
-        for pending in list(self._pending):
-            pending.future.result()
+        self.wait_prefetch()
         with self._lock:
             self._sync_streams_for_host_read()
             for table, cache in enumerate(self._caches):
@@ -1005,9 +1013,10 @@ class KeyValueEmbeddingBags(nn.Module):
                 self._store_put(table, cache.slot_ids[dirty], records)
                 self._metrics.written_back_rows += dirty.numel()
             self._metrics.evicted_rows += victims.numel()
-            cache.drop(victims)
+            cache.drop(victims, reindex=False)
         slots = torch.cat([free, victims])
         count = slots.numel()
+        # Victims are non-empty only when count > 0, so fill() rebuilds the index drop() deferred.
         cache.fill(slots, ids[:count], weights[:count], state[:count], tick)
         return count
 

@@ -290,7 +290,7 @@ class RocksDBStore:
         if present:
             width = out.shape[1]
             blob = b"".join(present)
-            if len(blob) != width * len(present) or any(len(value) != width for value in present):
+            if len(blob) != width * len(present) or set(map(len, present)) != {width}:
                 bad = next(i for i, value in enumerate(values) if value is not None and len(value) != width)
                 length = len(values[bad] or b"")
                 raise StoreCorruptError(

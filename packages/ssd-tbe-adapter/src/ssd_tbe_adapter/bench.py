@@ -1,0 +1,311 @@
+"""Benchmark: a training step of key-value tables (RocksDB + cache) against an all-in-memory fbgemm TBE.
+
+``python -m ssd_tbe_adapter.bench [--quick] [--device cpu|cuda] [--json PATH] [--plot PATH]``
+
+Setup per case: ``T`` tables of ``N`` rows (ids ``0..N-1``, all pre-written to the store), ``D`` dims,
+cache ``N / 10`` rows per table, ``B`` samples per feature with ``L`` Zipf(1.05) ids each (hot ids
+scattered over the id space). A step is forward + backward (fused row-wise Adagrad) of the summed output.
+Implementations, run interleaved step by step after a warm-up that fills the caches:
+
+- ``fbgemm-tbe``: ``SplitTableBatchedEmbeddingBagsCodegen`` holding all rows in memory (when importable);
+- ``kv-sync``: :class:`KeyValueEmbeddingBags` over ``RocksDBStore``, no prefetch (forward fetches misses);
+- ``kv-prefetch``: the same with ``prefetch(batch i+1)`` issued before ``forward(batch i)`` (background
+  thread), and the step's clock stopped only once that prefetch has finished too (no work leaks out of
+  the timed region);
+- ``kv-memstore-prefetch``: ``kv-prefetch`` over ``MemoryStore``: the module's own cost without RocksDB.
+
+Times are host wall-clock per step (``torch.cuda.synchronize()`` at the end of a step on CUDA).
+``peak_mem_bytes``: on CUDA the peak allocated device memory of the implementation's steps; on CPU the
+resident embedding bytes (TBE: all rows and state; key-value: the cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ssd_tbe_adapter import _fbgemm
+from ssd_tbe_adapter._module import KeyValueEmbeddingBags, TableSpec
+from ssd_tbe_adapter._store import MemoryStore, RocksDBStore
+from ssd_tbe_adapter._version import __version__
+
+__all__ = ["main"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    """One benchmark configuration."""
+
+    tables: int
+    rows: int
+    dim: int
+    batch: int
+    pooling_factor: int
+    zipf: float = 1.05
+    cache_fraction: float = 0.1
+    warmup: int = 30
+    steps: int = 30
+
+    @property
+    def name(self) -> str:
+        """Short label."""
+        return f"T{self.tables}-N{self.rows // 1000}k-D{self.dim}-B{self.batch}-L{self.pooling_factor}"
+
+
+CASES = [Case(tables=4, rows=200_000, dim=64, batch=1024, pooling_factor=16)]
+QUICK = [Case(tables=2, rows=20_000, dim=32, batch=256, pooling_factor=8, warmup=10, steps=10)]
+
+
+def _zipf_batches(case: Case, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` batches of (indices, offsets): feature-major, fixed pooling factor, Zipf-ranked ids."""
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(1, case.rows + 1, dtype=np.float64)
+    cdf = np.cumsum(ranks**-case.zipf)
+    cdf /= cdf[-1]
+    # Hot ids scattered over the id space (a fixed permutation per table), as real feature ids are.
+    permutations = [rng.permutation(case.rows) for _ in range(case.tables)]
+    n = case.batch * case.pooling_factor
+    offsets = torch.arange(0, case.tables * n + 1, case.pooling_factor, dtype=torch.int64)
+    batches = []
+    for _ in range(count):
+        parts = [perm[np.searchsorted(cdf, rng.random(n))] for perm in permutations]
+        batches.append((torch.from_numpy(np.concatenate(parts)).to(torch.int64), offsets))
+    return batches
+
+
+def _prefill(store: RocksDBStore | MemoryStore, module: KeyValueEmbeddingBags, case: Case) -> None:
+    """Write every row (its deterministic initial value, zero state) so reads really go to RocksDB."""
+    chunk = 50_000
+    for table in range(case.tables):
+        for start in range(0, case.rows, chunk):
+            ids = torch.arange(start, min(start + chunk, case.rows), dtype=torch.int64)
+            weights, state = module._read_rows(table, ids)
+            store.put(ids, module._encode(table, weights, state), table=table)
+    store.flush()
+    module.reset_metrics()
+
+
+def _timed(device: torch.device, step: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, Any]]:
+    """Every implementation of one case, interleaved; one result row each."""
+    torch.manual_seed(0)
+    batches = _zipf_batches(case, case.warmup + case.steps + 1, seed=1)
+    batches = [(i.to(device), o.to(device)) for i, o in batches]
+    specs = [TableSpec(f"t{t}", case.dim) for t in range(case.tables)]
+    cache_rows = int(case.rows * case.cache_fraction)
+    impls: dict[str, Callable[[int], None]] = {}
+    resident: dict[str, int] = {}
+    modules: dict[str, KeyValueEmbeddingBags] = {}
+
+    fbgemm = _fbgemm.load()
+    if fbgemm is not None:
+        location = fbgemm.location.DEVICE if device.type == "cuda" else fbgemm.location.HOST
+        compute = fbgemm.compute_device.CUDA if device.type == "cuda" else fbgemm.compute_device.CPU
+        tbe = fbgemm.codegen(
+            [(case.rows, case.dim, location, compute)] * case.tables,
+            optimizer=fbgemm.optim_type.EXACT_ROWWISE_ADAGRAD,
+            learning_rate=0.01,
+            eps=1e-8,
+            device=device,
+        )
+
+        def tbe_step(k: int) -> None:
+            indices, offsets = batches[k]
+            tbe(indices, offsets).sum().backward()
+
+        impls["fbgemm-tbe"] = tbe_step
+        resident["fbgemm-tbe"] = case.tables * case.rows * (case.dim + 1) * 4
+
+    for name in ("kv-sync", "kv-prefetch", "kv-memstore-prefetch"):
+        store: RocksDBStore | MemoryStore = (
+            MemoryStore() if "memstore" in name else RocksDBStore(workdir / name)
+        )
+        module = KeyValueEmbeddingBags(
+            specs,
+            None,
+            store,
+            cache_rows=cache_rows,
+            optimizer="rowwise_adagrad",
+            learning_rate=0.01,
+            device=device,
+        )
+        _prefill(store, module, case)
+        modules[name] = module
+        resident[name] = case.tables * cache_rows * (case.dim + 1) * 4
+
+    def sync_step(k: int) -> None:
+        indices, offsets = batches[k]
+        modules["kv-sync"](indices, offsets).sum().backward()
+
+    def prefetch_step(name: str, k: int) -> None:
+        module = modules[name]
+        indices, offsets = batches[k]
+        module.prefetch(*batches[k + 1])
+        module(indices, offsets).sum().backward()
+        module.wait_prefetch()
+
+    impls["kv-sync"] = sync_step
+    for name in ("kv-prefetch", "kv-memstore-prefetch"):
+        impls[name] = lambda k, name=name: prefetch_step(name, k)  # type: ignore[misc]
+        modules[name].prefetch(*batches[0])
+
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    peaks: dict[str, int] = dict.fromkeys(impls, 0)
+    for k in range(case.warmup + case.steps):
+        if k == case.warmup:
+            for module in modules.values():
+                module.reset_metrics()
+        for name, step in impls.items():
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            elapsed = _timed(device, lambda step=step, k=k: step(k))  # type: ignore[misc]
+            if k >= case.warmup:
+                times[name].append(elapsed)
+                if device.type == "cuda":
+                    peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device))
+    results = []
+    tbe_median = statistics.median(times["fbgemm-tbe"]) if "fbgemm-tbe" in times else None
+    for name, samples in times.items():
+        quantiles = np.percentile(samples, [10, 50, 90])
+        row: dict[str, Any] = {
+            "case": case.name,
+            "impl": name,
+            "median_ms": float(quantiles[1]),
+            "p10_ms": float(quantiles[0]),
+            "p90_ms": float(quantiles[2]),
+            "peak_mem_bytes": peaks[name] if device.type == "cuda" else resident[name],
+        }
+        if tbe_median:
+            row["vs_tbe"] = float(quantiles[1]) / tbe_median
+        if name in modules:
+            m = modules[name].metrics()
+            row["cache_hit_rate"] = m["cache_hit_rate"]
+            row["store_read_rows_per_s"] = m["store_read_rows_per_s"]
+            row["store_write_rows_per_s"] = m["store_write_rows_per_s"]
+            row["store_rows_read_per_step"] = m["store_rows_read"] / case.steps
+        results.append(row)
+    for module in modules.values():
+        module.close()
+    return results
+
+
+def _print_table(results: list[dict[str, Any]], device: torch.device) -> None:
+    header = f"{'case':<28} {'impl':<20} {'median ms':>10} {'p10':>8} {'p90':>8} {'vs TBE':>7} {'hit rate':>9} {'store rows/s':>13} {'mem MiB':>8}"
+    print(f"device: {device}, torch {torch.__version__}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        vs = f"{r['vs_tbe']:.2f}x" if "vs_tbe" in r else "-"
+        hit = f"{r['cache_hit_rate']:.3f}" if "cache_hit_rate" in r else "-"
+        rate = f"{r['store_read_rows_per_s']:.0f}" if "store_read_rows_per_s" in r else "-"
+        print(
+            f"{r['case']:<28} {r['impl']:<20} {r['median_ms']:>10.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} "
+            f"{vs:>7} {hit:>9} {rate:>13} {r['peak_mem_bytes'] / 2**20:>8.1f}"
+        )
+
+
+def _plot(results: list[dict[str, Any]], path: Path, device: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({r["case"] for r in results})
+    impls = list(dict.fromkeys(r["impl"] for r in results))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(impls))
+    for j, impl in enumerate(impls):
+        values = [
+            next((r["median_ms"] for r in results if r["case"] == c and r["impl"] == impl), 0.0)
+            for c in cases
+        ]
+        errors = [
+            [
+                next(
+                    (r["median_ms"] - r["p10_ms"] for r in results if r["case"] == c and r["impl"] == impl),
+                    0.0,
+                )
+                for c in cases
+            ],
+            [
+                next(
+                    (r["p90_ms"] - r["median_ms"] for r in results if r["case"] == c and r["impl"] == impl),
+                    0.0,
+                )
+                for c in cases
+            ],
+        ]
+        ax.bar([i + j * width for i in range(len(cases))], values, width, yerr=errors, label=impl, capsize=3)
+    ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(cases))], cases)
+    ax.set_ylabel("training step, ms (median, p10-p90)")
+    ax.set_title(f"ssd-tbe-adapter {__version__} on {device}: RocksDB + cache vs in-memory TBE")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small tables, few steps")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", type=Path, help="write results as JSON here")
+    parser.add_argument("--plot", type=Path, help="write a PNG bar chart here")
+    parser.add_argument("--workdir", type=Path, help="where the RocksDB stores go (default: a temp dir)")
+    parser.add_argument("--steps", type=int, help="measured steps per implementation")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cases = QUICK if args.quick else CASES
+    if args.steps:
+        cases = [
+            Case(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, "steps": args.steps}) for c in cases
+        ]
+    workdir = Path(tempfile.mkdtemp(prefix="kv-bench-", dir=args.workdir))
+    try:
+        results = [row for case in cases for row in run_case(case, device, workdir / case.name)]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    _print_table(results, device)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "package": "ssd-tbe-adapter",
+            "version": __version__,
+            "device": device_name,
+            "torch": torch.__version__,
+            "command": "python -m ssd_tbe_adapter.bench"
+            + (" --quick" if args.quick else "")
+            + (f" --threads {args.threads}" if args.threads else ""),
+            "threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "results": results,
+        }
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+    if args.plot:
+        _plot(results, args.plot, device_name)
+
+
+if __name__ == "__main__":
+    main()
