@@ -168,7 +168,10 @@ def test_steady_state_step_approaches_max_stage_time() -> None:
         gpu_sleep(cycles)  # the model
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) * 1e3 / steps
-    assert step_ms < 0.6 * 4 * 2.0, f"step {step_ms:.2f} ms: stages did not overlap (sum 8 ms, max 2 ms)"
+    # the target: within 5% of max(stage) + model (sum would be 8 ms)
+    assert step_ms <= 1.05 * (2.0 + 2.0), (
+        f"step {step_ms:.2f} ms: stages did not overlap (sum 8 ms, max 2 ms)"
+    )
     stats = pipeline.stats()
     assert stats["s0"].device_ms_mean is not None
     assert stats["s0"].device_ms_mean == pytest.approx(2.0, rel=0.3)

@@ -13,9 +13,9 @@ stream). On CPU the same order runs inline.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from time import perf_counter_ns
 from typing import Any
 
 import torch
@@ -356,11 +356,23 @@ class StagedTrainPipeline:
     def _run_runnable(
         self, stage_idx: int, stage: PipelineStage, timer: _StageTimer, slot: _Slot, profiling: bool
     ) -> _Slot:
+        # Hot path (once per stage and step): no helper calls beyond the runnable itself unless profiling.
         if not self._cuda:
-            start = time.perf_counter_ns()
-            output = self._guarded(stage_idx, "runnable", stage.runnable, slot.batch, slot.index, profiling)
-            self._count(timer, start)
-            return _Slot(batch=output, index=slot.index, stream=None, event=None)
+            start = perf_counter_ns()
+            try:
+                if profiling:
+                    with record_function(f"## {stage.name} ##"):
+                        output = stage.runnable(slot.batch)
+                else:
+                    output = stage.runnable(slot.batch)
+            except Exception as error:
+                raise self._wrap(error, stage_idx, slot.index, "runnable") from error
+            elapsed = perf_counter_ns() - start
+            timer.runs += 1
+            timer.host_ns += elapsed
+            if elapsed > timer.host_max_ns:
+                timer.host_max_ns = elapsed
+            return _Slot(output, slot.index, None, None)
 
         stream = stage.stream if stage.stream is not None else torch.cuda.current_stream()
         with stream_context(stage.stream):
@@ -368,22 +380,29 @@ class StagedTrainPipeline:
                 stream.wait_event(slot.event)
                 record_stream_all(slot.batch, stream)
             begin = new_event(stream, timing=True) if self._device_timing else None
-            start = time.perf_counter_ns()
+            start = perf_counter_ns()
             output = self._guarded(stage_idx, "runnable", stage.runnable, slot.batch, slot.index, profiling)
-            self._count(timer, start)
+            elapsed = perf_counter_ns() - start
             event = new_event(stream, timing=self._device_timing)
+        timer.runs += 1
+        timer.host_ns += elapsed
+        if elapsed > timer.host_max_ns:
+            timer.host_max_ns = elapsed
         if begin is not None:
             timer.pending.append((begin, event))
             if len(timer.pending) > 64:
                 timer.collect(block=False)
-        return _Slot(batch=output, index=slot.index, stream=stream, event=event)
+        return _Slot(output, slot.index, stream, event)
 
-    @staticmethod
-    def _count(timer: _StageTimer, start: int) -> None:
-        elapsed = time.perf_counter_ns() - start
-        timer.runs += 1
-        timer.host_ns += elapsed
-        timer.host_max_ns = max(timer.host_max_ns, elapsed)
+    def _wrap(self, error: Exception, stage_idx: int, index: int, phase: str) -> StageError:
+        return StageError.wrap(
+            error,
+            stage_name=self._stages[stage_idx].name,
+            stage_index=stage_idx,
+            num_stages=self._n,
+            batch_index=index,
+            phase=phase,
+        )
 
     def _guarded(
         self,
@@ -401,14 +420,7 @@ class StagedTrainPipeline:
                     return function(batch)
             return function(batch)
         except Exception as error:
-            raise StageError.wrap(
-                error,
-                stage_name=stage.name,
-                stage_index=stage_idx,
-                num_stages=self._n,
-                batch_index=index,
-                phase=phase,
-            ) from error
+            raise self._wrap(error, stage_idx, index, phase) from error
 
     def _call(
         self, stage_idx: int, phase: str, callback: Callable[[], None], index: int, profiling: bool
@@ -423,14 +435,7 @@ class StagedTrainPipeline:
             else:
                 callback()
         except Exception as error:
-            raise StageError.wrap(
-                error,
-                stage_name=stage.name,
-                stage_index=stage_idx,
-                num_stages=self._n,
-                batch_index=index,
-                phase=phase,
-            ) from error
+            raise self._wrap(error, stage_idx, index, phase) from error
 
     # ---------------------------------------------------------------- data
 

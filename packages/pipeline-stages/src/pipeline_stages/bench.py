@@ -4,8 +4,8 @@ Cases (implementations compared in one run, interleaved, medians over repeats):
 
 * ``overlap/<costs>``: synthetic stages of known cost (CPU: a busy wait on the host; CUDA: ``torch.cuda._sleep``
   on each stage's stream) plus a model step of known cost. Rows: ``staged`` (this package) and ``sequential``
-  (every stage then the model, one after the other: the sum). Extra keys ``sum_ms`` (stages + model) and
-  ``max_ms`` (the slowest of them). On CUDA the staged step approaches ``max_ms``; on CPU stages run inline, so
+  (every stage then the model, one after the other: the sum). Extra keys ``sum_ms`` (stages + model),
+  ``max_ms`` (the slowest of them) and ``target_ms`` (1.05 x (slowest stage + model), the issue's target). On CUDA the staged step approaches ``max_ms``; on CPU stages run inline, so
   the step is ``sum_ms`` plus the pipeline's overhead.
 * ``progress_overhead/3_stages``: three identity stages; the time of one ``progress()`` (host time per step).
   Rows: ``staged`` (this package), ``direct`` (calling the three runnables and ``next()`` by hand: the floor),
@@ -232,7 +232,12 @@ def run(device_kind: str, *, quick: bool) -> dict[str, Any]:
     cases: list[tuple[str, dict[str, Callable[[], float]], dict[str, Any]]] = []
     for costs, model_ms in (([0.2, 0.5, 0.3], 0.5), ([1.0, 1.0, 1.0], 1.0)):
         label = "overlap/" + "+".join(f"{c:g}" for c in costs) + f"+model{model_ms:g}ms"
-        extra = {"sum_ms": sum(costs) + model_ms, "max_ms": max([*costs, model_ms])}
+        extra = {
+            "sum_ms": sum(costs) + model_ms,
+            "max_ms": max([*costs, model_ms]),
+            # the target: a steady-state step within 5% of max(stage) + model
+            "target_ms": round(1.05 * (max(costs) + model_ms), 4),
+        }
         cases.append((label, _overlap_impls(device, costs, model_ms, steps), extra))
     cases.append(("progress_overhead/3_stages", _overhead_impls(device, overhead_steps), {}))
 
