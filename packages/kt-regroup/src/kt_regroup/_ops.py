@@ -1,8 +1,13 @@
-"""The ``kt_regroup::permute`` / ``kt_regroup::permute_backward`` ops (torch.library custom ops).
+"""The ``kt_regroup::permute`` / ``kt_regroup::permute_backward`` ops, and the eager fast path.
 
-The schema carries only tensors, ints and int lists (no ``str[][]``), so ``torch.compile(fullgraph=True)``
-traces through without a graph break and ``torch.export`` exports modules that call it. Fake kernels give
-the output shapes; autograd is registered for both ops (the backward of the backward is the forward).
+The ops are ``torch.library`` custom ops whose schema carries only tensors, ints and int lists (no
+``str[][]``), so ``torch.compile(fullgraph=True)`` traces through without a graph break and
+``torch.export`` exports modules that call them. Fake kernels give the output shapes; autograd is
+registered for both ops (the backward of the backward is the forward).
+
+Eager calls (not compiling, not exporting) skip the custom-op machinery (argument pytrees, schema
+checks, redispatch), which costs more host time than the kernel itself at typical sizes, and run the
+same kernels through a plain ``autograd.Function``: :func:`run_permute` picks the path.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 
 from kt_regroup._torch_impl import torch_backward, torch_forward
 
-__all__ = ["permute", "permute_backward"]
+__all__ = ["permute", "permute_backward", "run_permute"]
 
 _TORCH, _FBGEMM, _TRITON = 0, 1, 2
 
@@ -22,6 +27,59 @@ _TORCH, _FBGEMM, _TRITON = 0, 1, 2
 def _shapes(like: torch.Tensor, widths: Sequence[int], key_dim: int) -> list[torch.Tensor]:
     batch = like.size(1 - key_dim)
     return [like.new_empty((batch, w) if key_dim == 1 else (w, batch)) for w in widths]
+
+
+def forward_impl(
+    values: Sequence[torch.Tensor],
+    plan: Sequence[torch.Tensor],
+    meta: Sequence[int],
+    in_lengths: Sequence[int],
+    out_lengths: Sequence[int],
+    key_dim: int,
+    backend: int,
+) -> list[torch.Tensor]:
+    """Run the forward kernel of ``backend`` (no autograd)."""
+    if backend == _FBGEMM:
+        from kt_regroup._fbgemm import permute_multi_embedding_function
+
+        return permute_multi_embedding_function(
+            [v.contiguous() for v in values], plan[0], plan[1], plan[2], list(out_lengths), False
+        )
+    if backend == _TRITON:
+        from kt_regroup._triton_impl import triton_forward
+
+        return triton_forward(values, plan, meta, in_lengths, out_lengths)
+    return torch_forward(values, plan, meta, out_lengths, key_dim)
+
+
+def backward_impl(
+    grads: Sequence[torch.Tensor],
+    plan: Sequence[torch.Tensor],
+    meta: Sequence[int],
+    in_lengths: Sequence[int],
+    out_lengths: Sequence[int],
+    key_dim: int,
+    backend: int,
+) -> list[torch.Tensor]:
+    """Run the backward kernel of ``backend`` (no autograd)."""
+    if backend == _FBGEMM:
+        from kt_regroup._fbgemm import permute_multi_embedding_function
+
+        n_in = meta[0]
+        # Reverse mode reads the group widths where the forward reads the input widths.
+        result = permute_multi_embedding_function(
+            [g.contiguous() for g in grads], plan[0], plan[2], plan[1], list(in_lengths), True
+        )
+        # fbgemm leaves the columns of keys in no group uninitialised: zero them.
+        for index in range(n_in):
+            if meta[1 + index]:
+                result[index].index_fill_(1, plan[3 + index], 0)
+        return result
+    if backend == _TRITON:
+        from kt_regroup._triton_impl import triton_backward
+
+        return triton_backward(grads, plan, meta, in_lengths, out_lengths)
+    return torch_backward(grads, plan, meta, in_lengths, key_dim)
 
 
 @torch.library.custom_op("kt_regroup::permute", mutates_args=())
@@ -49,17 +107,7 @@ def permute(
     Returns:
         ``[B, out_lengths[g]]`` per group (``[out_lengths[g], B]`` for ``key_dim == 0``), fresh tensors.
     """
-    if backend == _FBGEMM:
-        from kt_regroup._fbgemm import permute_multi_embedding_function
-
-        return permute_multi_embedding_function(
-            [v.contiguous() for v in values], plan[0], plan[1], plan[2], list(out_lengths), False
-        )
-    if backend == _TRITON:
-        from kt_regroup._triton_impl import triton_forward
-
-        return triton_forward(values, plan, meta, in_lengths, out_lengths)
-    return torch_forward(values, plan, meta, out_lengths, key_dim)
+    return forward_impl(values, plan, meta, in_lengths, out_lengths, key_dim, backend)
 
 
 @permute.register_fake
@@ -91,24 +139,7 @@ def permute_backward(
         ``[B, in_lengths[i]]`` per input: the sum over every occurrence of each key, in group order,
         and exactly 0 for keys that are in no group. Deterministic, no atomics.
     """
-    if backend == _FBGEMM:
-        from kt_regroup._fbgemm import permute_multi_embedding_function
-
-        n_in = meta[0]
-        # Reverse mode reads the group widths where the forward reads the input widths.
-        result = permute_multi_embedding_function(
-            [g.contiguous() for g in grads], plan[0], plan[2], plan[1], list(in_lengths), True
-        )
-        # fbgemm leaves the columns of keys in no group uninitialised: zero them.
-        for index in range(n_in):
-            if meta[1 + index]:
-                result[index].index_fill_(1, plan[3 + index], 0)
-        return result
-    if backend == _TRITON:
-        from kt_regroup._triton_impl import triton_backward
-
-        return triton_backward(grads, plan, meta, in_lengths, out_lengths)
-    return torch_backward(grads, plan, meta, in_lengths, key_dim)
+    return backward_impl(grads, plan, meta, in_lengths, out_lengths, key_dim, backend)
 
 
 @permute_backward.register_fake
@@ -124,7 +155,7 @@ def _permute_backward_fake(
     return _shapes(grads[0], in_lengths, key_dim)
 
 
-def _setup_context(ctx: Any, inputs: tuple[object, ...], output: object) -> None:
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     _, plan, meta, in_lengths, out_lengths, key_dim, backend = inputs
     ctx.plan = plan  # int index tensors: no grad, not saved for backward
     ctx.args = (meta, in_lengths, out_lengths, key_dim, backend)  # static ints
@@ -138,7 +169,7 @@ def _materialize(
     if like is None or all(g is not None for g in grads):
         return [g for g in grads if g is not None]
     zeros = _shapes(like, widths, key_dim)
-    return [g if g is not None else z.zero_() for g, z in zip(grads, zeros, strict=False)]
+    return [g if g is not None else z.zero_() for g, z in zip(grads, zeros, strict=True)]
 
 
 def _permute_autograd(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[object, ...]:
@@ -159,3 +190,50 @@ def _permute_backward_autograd(ctx: Any, grads: list[torch.Tensor | None]) -> tu
 
 permute.register_autograd(_permute_autograd, setup_context=_setup_context)
 permute_backward.register_autograd(_permute_backward_autograd, setup_context=_setup_context)
+
+
+# (plan tensors, meta, in_lengths, out_lengths, key_dim, backend)
+PlanArgs = tuple[Sequence[torch.Tensor], Sequence[int], Sequence[int], Sequence[int], int, int]
+
+
+class _EagerPermute(torch.autograd.Function):
+    """Eager twin of ``kt_regroup::permute``: same kernels, plain autograd.Function overhead."""
+
+    @staticmethod
+    def forward(ctx: Any, args: PlanArgs, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        plan, meta, in_lengths, out_lengths, key_dim, backend = args
+        ctx.args = args
+        return tuple(forward_impl(values, plan, meta, in_lengths, out_lengths, key_dim, backend))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        args: PlanArgs = ctx.args
+        dense = _materialize(grads, args[3], args[4])
+        return (None, *_EagerPermuteBackward.apply(args, *dense))  # type: ignore[no-untyped-call]  # untyped in torch
+
+
+class _EagerPermuteBackward(torch.autograd.Function):
+    """Eager twin of ``kt_regroup::permute_backward`` (its backward is the forward permute)."""
+
+    @staticmethod
+    def forward(ctx: Any, args: PlanArgs, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        plan, meta, in_lengths, out_lengths, key_dim, backend = args
+        ctx.args = args
+        return tuple(backward_impl(grads, plan, meta, in_lengths, out_lengths, key_dim, backend))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        args: PlanArgs = ctx.args
+        dense = _materialize(grads, args[2], args[4])
+        return (None, *_EagerPermute.apply(args, *dense))  # type: ignore[no-untyped-call]  # untyped in torch
+
+
+def run_permute(values: list[torch.Tensor], args: PlanArgs) -> list[torch.Tensor]:
+    """Regroup ``values`` with a plan: the custom op when compiling/exporting, the eager twin otherwise."""
+    plan, meta, in_lengths, out_lengths, key_dim, backend = args
+    if torch.compiler.is_compiling():
+        result: list[torch.Tensor] = permute(
+            values, list(plan), list(meta), list(in_lengths), list(out_lengths), key_dim, backend
+        )
+        return result
+    return list(_EagerPermute.apply(args, *values))  # type: ignore[no-untyped-call]  # untyped in torch

@@ -8,6 +8,7 @@ A plan is ``(tensors, meta)``: ``tensors`` are int32/int64 index tensors (cached
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +131,7 @@ class TorchMeta:
 _TORCH_META_CACHE: dict[tuple[int, ...], TorchMeta] = {}
 
 
-def decode_torch_meta(meta: list[int], n_groups: int) -> TorchMeta:
+def decode_torch_meta(meta: Sequence[int], n_groups: int) -> TorchMeta:
     """Parse a torch plan's ``meta`` (memoised: plans are few and their meta small)."""
     key = (n_groups, *meta)
     cached = _TORCH_META_CACHE.get(key)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kt_regroup._backend import resolve_backend
-from kt_regroup._ops import permute
+from kt_regroup._ops import PlanArgs, run_permute
 from kt_regroup._plan import Plan, PlanData, build_plan, build_plan_data, make_tensors
 from kt_regroup._spec import InputLayout, build_spec, normalize_groups, read_layout
 from kt_regroup.errors import InvalidGroupsError, LayoutMismatchError, LengthMismatchError
@@ -68,20 +68,21 @@ def _cached_plan(layout: InputLayout, groups: tuple[tuple[str, ...], ...], backe
     return plan
 
 
-def _run(keyed_tensors: Sequence[KeyedTensorLike], plan: Plan) -> list[torch.Tensor]:
-    if not plan.out_lengths:
-        return []
-    values = [kt.values() for kt in keyed_tensors]
-    outputs: list[torch.Tensor] = permute(
-        values,
-        list(plan.tensors),
-        list(plan.meta),
-        list(plan.in_lengths),
-        list(plan.out_lengths),
+def _args(plan: Plan, tensors: Sequence[torch.Tensor] | None = None) -> PlanArgs:
+    return (
+        tuple(plan.tensors if tensors is None else tensors),
+        plan.meta,
+        plan.in_lengths,
+        plan.out_lengths,
         plan.key_dim,
         plan.backend,
     )
-    return outputs
+
+
+def _run(keyed_tensors: Sequence[KeyedTensorLike], plan: Plan) -> list[torch.Tensor]:
+    if not plan.out_lengths:
+        return []
+    return run_permute([kt.values() for kt in keyed_tensors], _args(plan))
 
 
 def regroup(
@@ -177,6 +178,8 @@ class KTRegroupAsDict(nn.Module):
         self._keys = _check_names(self._groups, keys)
         self._backend = _check_name(backend, "`backend`")
         self._plans: dict[tuple[object, ...], _CachedPlan] = {}
+        # The eager path's arguments per layout, holding the buffers themselves (refreshed by _apply).
+        self._eager_args: dict[tuple[object, ...], PlanArgs] = {}
 
     @property
     def groups(self) -> list[list[str]]:
@@ -189,6 +192,7 @@ class KTRegroupAsDict(nn.Module):
             for name in cached.buffers:
                 delattr(self, name)
         self._plans.clear()
+        self._eager_args.clear()
 
     def _build(self, key: tuple[object, ...], layout: InputLayout) -> _CachedPlan:
         plan = _plan_for(layout, self._groups, self._backend)
@@ -202,7 +206,15 @@ class KTRegroupAsDict(nn.Module):
             names.append(name)
         cached = _CachedPlan(tuple(names), plan)
         self._plans[key] = cached
+        self._eager_args[key] = _args(plan, [getattr(self, name) for name in names])
         return cached
+
+    def _apply(self, fn: Any, recurse: bool = True) -> KTRegroupAsDict:
+        """``.to()`` / ``.cuda()`` replace the buffers: point the eager arguments at the new ones."""
+        result: KTRegroupAsDict = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # untyped in torch
+        for key, cached in self._plans.items():
+            self._eager_args[key] = _args(cached.plan, [getattr(self, name) for name in cached.buffers])
+        return result
 
     def forward(self, keyed_tensors: list[KeyedTensorLike]) -> dict[str, torch.Tensor]:
         """``{name: [B, sum(dims)]}`` for every group (``[sum(dims), B]`` for ``key_dim == 0`` inputs)."""
@@ -226,24 +238,20 @@ class KTRegroupAsDict(nn.Module):
         plan = cached.plan
         if not plan.out_lengths:
             return {}
-        tensors = [getattr(self, name) for name in cached.buffers]
-        if tensors and tensors[0].device != first.device:
-            # The module was moved (.to()) after the plan was made: make it again for this device.
-            for name in cached.buffers:
-                delattr(self, name)
-            del self._plans[key]
-            cached = self._build(key, read_layout(keyed_tensors))
-            tensors = [getattr(self, name) for name in cached.buffers]
-        outputs: list[torch.Tensor] = permute(
-            [kt.values() for kt in keyed_tensors],
-            tensors,
-            list(plan.meta),
-            list(plan.in_lengths),
-            list(plan.out_lengths),
-            plan.key_dim,
-            plan.backend,
-        )
-        return dict(zip(self._keys, outputs, strict=False))
+        if torch.compiler.is_compiling():
+            # Read the buffers through the module so dynamo / export see them as buffers.
+            args = _args(plan, [getattr(self, name) for name in cached.buffers])
+        else:
+            args = self._eager_args[key]
+            if args[0] and args[0][0].device != first.device:
+                # The plan was made for another device (the module was not moved with its inputs).
+                for name in cached.buffers:
+                    delattr(self, name)
+                del self._plans[key]
+                cached = self._build(key, read_layout(keyed_tensors))
+                args = self._eager_args[key]
+        outputs = run_permute([kt.values() for kt in keyed_tensors], args)
+        return dict(zip(self._keys, outputs, strict=True))
 
     def _traced_cold(
         self, keyed_tensors: Sequence[KeyedTensorLike], key: tuple[Any, ...]
@@ -267,16 +275,16 @@ class KTRegroupAsDict(nn.Module):
         )
         if not data.out_lengths:
             return {}
-        outputs: list[torch.Tensor] = permute(
-            [kt.values() for kt in keyed_tensors],
-            list(make_tensors(data.index, device)),
-            list(data.meta),
-            list(data.in_lengths),
-            list(data.out_lengths),
+        args: PlanArgs = (
+            make_tensors(data.index, device),
+            data.meta,
+            data.in_lengths,
+            data.out_lengths,
             data.key_dim,
             data.backend,
         )
-        return dict(zip(self._keys, outputs, strict=False))
+        outputs = run_permute([kt.values() for kt in keyed_tensors], args)
+        return dict(zip(self._keys, outputs, strict=True))
 
     @staticmethod
     def _check_cheap(keyed_tensors: Sequence[KeyedTensorLike], plan: Plan) -> None:

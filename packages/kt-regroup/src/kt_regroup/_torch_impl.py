@@ -12,6 +12,8 @@ every run, and skipped keys exactly 0.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kt_regroup._plan import decode_torch_meta
@@ -39,10 +41,10 @@ def _empty_blocks(
 
 
 def torch_forward(
-    values: list[torch.Tensor],
-    plan: list[torch.Tensor],
-    meta: list[int],
-    out_lengths: list[int],
+    values: Sequence[torch.Tensor],
+    plan: Sequence[torch.Tensor],
+    meta: Sequence[int],
+    out_lengths: Sequence[int],
     key_dim: int,
 ) -> list[torch.Tensor]:
     """Regrouped outputs, ``[B, out_lengths[g]]`` each (``[out_lengths[g], B]`` for ``key_dim == 0``)."""
@@ -65,10 +67,10 @@ def torch_forward(
 
 
 def torch_backward(
-    grads: list[torch.Tensor],
-    plan: list[torch.Tensor],
-    meta: list[int],
-    in_lengths: list[int],
+    grads: Sequence[torch.Tensor],
+    plan: Sequence[torch.Tensor],
+    meta: Sequence[int],
+    in_lengths: Sequence[int],
     key_dim: int,
 ) -> list[torch.Tensor]:
     """Input gradients, ``[B, in_lengths[i]]`` each: sums over occurrences, exact 0 for skipped keys."""

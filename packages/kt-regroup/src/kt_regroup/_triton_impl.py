@@ -16,6 +16,7 @@ only per-call host work is the launch itself.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -122,16 +123,16 @@ def _regroup_bwd_kernel(  # type: ignore[no-untyped-def]  # Triton JIT function
     tl.store(dst + rows64 * dst_w + dst_col + cols[None, :], acc.to(dst.dtype.element_ty), mask=mask)
 
 
-def _pad(items: list[Any], fill: Any) -> list[Any]:
-    return items + [fill] * (TRITON_MAX_TENSORS - len(items))
+def _pad(items: Sequence[Any], fill: Any) -> list[Any]:
+    return list(items) + [fill] * (TRITON_MAX_TENSORS - len(items))
 
 
 def triton_forward(
-    values: list[torch.Tensor],
-    plan: list[torch.Tensor],
-    meta: list[int],
-    in_lengths: list[int],
-    out_lengths: list[int],
+    values: Sequence[torch.Tensor],
+    plan: Sequence[torch.Tensor],
+    meta: Sequence[int],
+    in_lengths: Sequence[int],
+    out_lengths: Sequence[int],
 ) -> list[torch.Tensor]:
     """Regrouped ``[B, out_lengths[g]]`` CUDA tensors, one launch (see the module docstring)."""
     block_d, align, n_fwd = meta[0], meta[1], meta[2]
@@ -156,11 +157,11 @@ def triton_forward(
 
 
 def triton_backward(
-    grads: list[torch.Tensor],
-    plan: list[torch.Tensor],
-    meta: list[int],
-    in_lengths: list[int],
-    out_lengths: list[int],
+    grads: Sequence[torch.Tensor],
+    plan: Sequence[torch.Tensor],
+    meta: Sequence[int],
+    in_lengths: Sequence[int],
+    out_lengths: Sequence[int],
 ) -> list[torch.Tensor]:
     """Input gradients ``[B, in_lengths[i]]``, one launch, no atomics (see the module docstring)."""
     block_d, align, n_bwd = meta[0], meta[1], meta[3]
