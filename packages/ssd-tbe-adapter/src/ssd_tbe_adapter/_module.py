@@ -1051,28 +1051,30 @@ class KeyValueEmbeddingBags(nn.Module):
         try:
             # The slow part, without the lock: the training thread keeps going meanwhile.
             fetched = {table: self._read_rows(table, ids) for table, ids in misses.items()}
-            with self._lock, _maybe_stream(stream):
-                if self._cuda and self._main_event is not None:
-                    stream.wait_event(self._main_event)
+            # One table per lock hold, so the training thread's forward/backward can interleave.
+            with _maybe_stream(stream):
                 for table, ids in misses.items():
-                    weights, state = fetched[table]
-                    still_missing = self._caches[table].lookup(ids) < 0
-                    ids, weights, state = ids[still_missing], weights[still_missing], state[still_missing]
-                    if self._epoch != epoch and ids.numel():
-                        written = [logged for t, logged in self._write_log if t == table]
-                        if written:
-                            stale = torch.isin(ids, torch.cat(written))
-                            if bool(stale.any()):
-                                # Evicted and written back after our read: the store is newer now.
-                                fresh_weights, fresh_state = self._read_rows(table, ids[stale])
-                                weights[stale] = fresh_weights
-                                state[stale] = fresh_state
-                    inserted = self._insert(table, ids, weights, state, tick)
-                    self._metrics.prefetched_rows += inserted
-                if self._cuda:
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-                    event.record(stream)
-                    self._insert_event = event
+                    with self._lock:
+                        if self._cuda and self._main_event is not None:
+                            stream.wait_event(self._main_event)
+                        weights, state = fetched[table]
+                        still_missing = self._caches[table].lookup(ids) < 0
+                        ids, weights, state = ids[still_missing], weights[still_missing], state[still_missing]
+                        if self._epoch != epoch and ids.numel():
+                            written = [logged for t, logged in self._write_log if t == table]
+                            if written:
+                                stale = torch.isin(ids, torch.cat(written))
+                                if bool(stale.any()):
+                                    # Evicted and written back after our read: the store is newer now.
+                                    fresh_weights, fresh_state = self._read_rows(table, ids[stale])
+                                    weights[stale] = fresh_weights
+                                    state[stale] = fresh_state
+                        inserted = self._insert(table, ids, weights, state, tick)
+                        self._metrics.prefetched_rows += inserted
+                        if self._cuda:
+                            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+                            event.record(stream)
+                            self._insert_event = event
         finally:
             with self._lock:
                 self._inflight = False
