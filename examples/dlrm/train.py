@@ -133,8 +133,11 @@ def _device(config: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def _batches(config: TrainConfig, rank: int, world_size: int, start: int) -> Iterator[DLRMBatch]:
-    """This rank's batches from step ``start`` on (synthetic, or Criteo TSV with ``--data``)."""
+def _batches(
+    config: TrainConfig, rank: int, world_size: int, start: int, *, pin: bool
+) -> Iterator[DLRMBatch]:
+    """This rank's batches from step ``start`` on (synthetic, or Criteo TSV with ``--data``); ``pin``: in pinned
+    host memory, so that the data_copy stage's non-blocking copies overlap on CUDA."""
     if config.data:
         reader = CriteoTSVReader(
             config.data,
@@ -147,11 +150,11 @@ def _batches(config: TrainConfig, rank: int, world_size: int, start: int) -> Ite
             if index >= config.steps:
                 return
             if index >= start:
-                yield batch
+                yield batch.pin_memory() if pin else batch
         return
     source = SyntheticCriteo(config.synthetic(rank, world_size), rank=rank, world_size=world_size)
     for index in range(start, config.steps):
-        yield source.batch(index)
+        yield source.batch(index).pin_memory() if pin else source.batch(index)
 
 
 class _Timer:
@@ -188,9 +191,9 @@ def _new_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
-def _all_or_none(batch: DLRMBatch | None) -> DLRMBatch | None:
+def _all_or_none(batch: DLRMBatch | None, device: torch.device) -> DLRMBatch | None:
     """``batch``, or None on every rank as soon as one rank has run out of data (uneven Criteo files)."""
-    flag = torch.tensor([0 if batch is None else 1], dtype=torch.int64)
+    flag = torch.tensor([0 if batch is None else 1], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return batch if int(flag) == 1 else None
 
@@ -280,7 +283,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
     losses: list[float] = []
     samples: list[int] = []
     seconds: list[float] = []
-    batches = _batches(config, rank, world_size, start)
+    batches = _batches(config, rank, world_size, start, pin=device.type == "cuda")
 
     pipeline: StagedTrainPipeline | None = None
     sdd: SparseDataDistUtil | None = None
@@ -318,7 +321,8 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
     step = start
     window_samples = 0
     window_start = time.perf_counter()
-    recent_loss: list[float] = []
+    # Losses stay on the device until a log step: no host sync per step on CUDA.
+    pending: list[torch.Tensor] = []
     wall_start = time.perf_counter()
     while True:
         step_start = time.perf_counter()
@@ -329,7 +333,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         else:
             batch = next(batches, None)
             if config.data:
-                batch = _all_or_none(batch)
+                batch = _all_or_none(batch, device)
             if batch is not None:
                 batch = batch.to(device, non_blocking=True)
         timer.lap("data + pipeline stages")
@@ -345,26 +349,38 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         optimizer.step()
         timer.lap("dense all-reduce + optimizer")
         step += 1
-        loss_value = float(loss.detach())
-        losses.append(loss_value)
+        pending.append(loss.detach())
         samples.append(batch.batch_size)
         seconds.append(time.perf_counter() - step_start)
-        recent_loss.append(loss_value)
         window_samples += batch.batch_size
-        if step % config.log_every == 0 or step == config.steps:
-            stats = torch.tensor([float(window_samples), sum(recent_loss), float(len(recent_loss))])
+        last = step == config.steps
+        if (
+            step % config.log_every == 0
+            or last
+            or (config.checkpoint_every and step % config.checkpoint_every == 0)
+        ):
+            window = torch.stack(pending).double()
+            losses.extend(window.tolist())
+            stats = torch.stack(
+                [
+                    window.new_tensor(float(window_samples)),
+                    window.sum(),
+                    window.new_tensor(float(window.numel())),
+                ]
+            )
             if world_size > 1:
                 dist.all_reduce(stats)
             elapsed = time.perf_counter() - window_start
-            bar.update(step, float(stats[1] / stats[2]), float(stats[0]) / max(elapsed, 1e-9))
-            window_samples, recent_loss, window_start = 0, [], time.perf_counter()
-        elif rank == 0:
-            bar.update(step, loss_value, batch.batch_size * world_size / max(seconds[-1], 1e-9))
+            total = stats.tolist()
+            bar.update(step, total[1] / total[2], total[0] / max(elapsed, 1e-9))
+            pending, window_samples, window_start = [], 0, time.perf_counter()
         if config.checkpoint_every and step % config.checkpoint_every == 0:
             save_checkpoint(
                 config.out, rank, step, model, tables, optimizer, _merged(history, losses, samples, seconds)
             )
         timer.lap("logging + checkpoint")
+    if pending:
+        losses.extend(torch.stack(pending).double().tolist())
     bar.close()
     wall = time.perf_counter() - wall_start
     if sdd is not None:
@@ -420,14 +436,12 @@ def _summarize(
     kv_t = torch.tensor([kv.get(k, 0.0) for k in kv_keys], dtype=torch.float64)
     wall_t = torch.tensor([wall], dtype=torch.float64)
     if world_size > 1:
-        dist.all_reduce(per_step[0])  # samples: sum over ranks
-        dist.all_reduce(per_step[1])
-        per_step[1] /= world_size  # loss: mean over ranks
-        dist.all_reduce(per_step[2], op=dist.ReduceOp.MAX)  # step time: the slowest rank
-        dist.all_reduce(phase_t)
-        phase_t /= world_size
-        dist.all_reduce(kv_t)
-        dist.all_reduce(wall_t, op=dist.ReduceOp.MAX)
+        per_step[0] = _reduced(per_step[0], device)  # samples: sum over ranks
+        per_step[1] = _reduced(per_step[1], device) / world_size  # loss: mean over ranks
+        per_step[2] = _reduced(per_step[2], device, dist.ReduceOp.MAX)  # step time: the slowest rank
+        phase_t = _reduced(phase_t, device) / world_size
+        kv_t = _reduced(kv_t, device)
+        wall_t = _reduced(wall_t, device, dist.ReduceOp.MAX)
     stage_stats = _stage_stats(pipeline)
     if rank != 0:
         return {}
@@ -496,6 +510,8 @@ def _summarize(
     md = "\n".join(text)
     (config.out / "summary.md").write_text(md, encoding="utf-8")
     (config.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+    bench = _bench_record(config, summary, per_step[2, start:].tolist(), tables)
+    (config.out / "bench.json").write_text(json.dumps(bench, indent=2), encoding="utf-8")
     plotted = plot_history(
         config.out / "loss_qps.png",
         list(range(1, steps + 1)),
@@ -509,6 +525,50 @@ def _summarize(
         file=sys.stderr,
     )
     return summary
+
+
+def _reduced(tensor: torch.Tensor, device: torch.device, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce of a host tensor (through ``device``: NCCL only reduces CUDA tensors); returns it on the host."""
+    work = tensor.to(device)
+    dist.all_reduce(work, op=op)
+    return work.cpu()
+
+
+def _bench_record(
+    config: TrainConfig, summary: dict[str, Any], step_seconds: list[float], tables: ShardedTables
+) -> dict[str, Any]:
+    """The run in the packages' benchmark JSON format (``tools/bench_report.py`` renders it)."""
+    skip = min(len(step_seconds) // 5, 20)
+    steady = sorted(step_seconds[skip:]) or [0.0]
+
+    def quantile(q: float) -> float:
+        return 1e3 * steady[min(len(steady) - 1, int(q * len(steady)))]
+
+    tbe = tables.kernel_kinds.get("tbe", "TBE")
+    return {
+        "package": "examples-dlrm",
+        "version": "main job",
+        "device": f"{summary['world_size']} × {summary['device']}",
+        "torch": summary["torch"],
+        "date": summary["date"][:10],
+        "command": "python3 -m nox -s main_job (python -m examples.dlrm.launch; the config is in summary.json)",
+        "results": [
+            {
+                "case": f"{summary['steps_this_run']} steps, B ≤ {config.batch_size}/rank, dim {config.embedding_dim}",
+                "impl": ("pipelined" if config.pipeline else "plain loop") + f", {tbe} + key-value",
+                "median_ms": quantile(0.5),
+                "p10_ms": quantile(0.1),
+                "p90_ms": quantile(0.9),
+                "peak_mem_bytes": 0,
+                "qps": round(summary["qps"]),
+                "qps_steady": round(summary["qps_steady"]),
+                "wall_s": round(summary["wall_seconds"], 1),
+                "loss_first": round(summary["loss_first"], 4),
+                "loss_last": round(summary["loss_last"], 4),
+                "kv_hit_rate": round(summary["kv_cache_hit_rate"], 3),
+            }
+        ],
+    }
 
 
 def _percent(rate: float) -> str:
