@@ -210,3 +210,52 @@ def test_empty_batch_and_no_grad() -> None:
     assert y.shape == (1, 4)
     torch.testing.assert_close(kernel.split_embedding_weights()[0], before)
     torch.testing.assert_close(y[0], F.embedding(torch.tensor(1), before))
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "sync-free"])
+def test_row_gradients_sum_per_row(compact: bool) -> None:
+    """Both per-row reductions (compact on CPU, padded sync-free on CUDA) sum weighted bag gradients per row."""
+    from vbe_lookup._torch_kernel import _row_gradients
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 6, (40,), generator=gen)
+    rows[:3] = 0  # row 0 is real here and also the padding row of the sync-free variant
+    bags = torch.randint(0, 7, (40,), generator=gen)
+    grad_bags = torch.randn(7, 3, generator=gen)
+    weight = torch.rand(40, generator=gen)
+    seg_row, seg_grad = _row_gradients(rows, bags, grad_bags, weight, compact=compact)
+    got = torch.zeros(6, 3).index_add_(0, seg_row, seg_grad)
+    want = torch.zeros(6, 3).index_add_(0, rows, grad_bags[bags] * weight[:, None])
+    torch.testing.assert_close(got, want)
+    if compact:
+        assert seg_row.tolist() == sorted(set(rows.tolist()))
+    else:
+        assert seg_row.numel() == 40
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"], ids=["sgd", "rowwise_adagrad"])
+def test_sync_free_update_path_matches_reference(monkeypatch: pytest.MonkeyPatch, optimizer: Any) -> None:
+    """The CUDA (padded, sync-free) per-row reduction gives the reference tables, run here on CPU."""
+    import functools
+
+    from vbe_lookup import _torch_kernel
+
+    monkeypatch.setattr(
+        _torch_kernel, "_row_gradients", functools.partial(_torch_kernel._row_gradients, compact=False)
+    )
+    kernel = TorchEmbeddingKernel([6, 9], [4, 8], optimizer=optimizer, learning_rate=0.1)
+    tables = [w.detach().clone().requires_grad_(True) for w in kernel.split_embedding_weights()]
+    features = random_features(["a", "b"], [6, 9], [[3, 2], [4, 0]], weighted=True, max_length=6)
+    out = kernel(
+        features.values(),
+        features.offsets(),
+        per_sample_weights=features.weights_or_none(),
+        batch_size_per_feature_per_rank=[[3, 2], [4, 0]],
+    )
+    ref = reference_pooled(dict(zip(["a", "b"], tables, strict=True)), features)
+    grad = torch.randn(ref.shape)
+    torch.autograd.backward(out, grad)
+    torch.autograd.backward(ref, grad)
+    ReferenceOptimizer(tables, optimizer, 0.1).step()
+    for w, want in zip(kernel.split_embedding_weights(), tables, strict=True):
+        torch.testing.assert_close(w, want.detach())

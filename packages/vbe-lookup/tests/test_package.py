@@ -19,3 +19,15 @@ def test_all_is_sorted_and_exported() -> None:
     assert list(vbe_lookup.__all__) == sorted(vbe_lookup.__all__)
     for name in vbe_lookup.__all__:
         assert hasattr(vbe_lookup, name), name
+
+
+def test_readme_usage_runs() -> None:
+    """The README's usage example runs as written."""
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("## Usage", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    namespace: dict[str, object] = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    # rank 0: user 1x8, item 1x8, query 2x16; rank 1: user 1x8, item 1x8
+    assert namespace["out"].values().numel() == 64  # type: ignore[attr-defined]

@@ -157,12 +157,16 @@ def new_tbe(
     if module is None:
         raise RuntimeError(f"fbgemm is unavailable: {status}")
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        ComputeDevice,
+        EmbeddingLocation,
+        PoolingMode,
+    )
 
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
-    compute = module.ComputeDevice.CUDA if on_cuda else module.ComputeDevice.CPU
+    compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
     optim = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optimizer]
     specs = [(int(e), int(d), location, compute) for e, d in zip(num_embeddings, embedding_dims, strict=True)]
     return module.SplitTableBatchedEmbeddingBagsCodegen(

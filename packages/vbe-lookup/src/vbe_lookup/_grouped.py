@@ -528,14 +528,19 @@ class GroupedVBELookup(nn.Module):
                 out.append((values, offsets.to(values.dtype), weights))
                 continue
             v_parts = [values[value_start[a] : value_start[b]] for a, b in plan.feature_runs]
-            l_parts = [lengths[a:b] for a, b in plan.bag_runs]
             g_values = v_parts[0] if len(v_parts) == 1 else torch.cat(v_parts)
-            g_lengths = l_parts[0] if len(l_parts) == 1 else torch.cat(l_parts)
+            if len(plan.bag_runs) == 1:
+                # One contiguous run: rebase the global offsets (one kernel, the shift is a host int).
+                (bag_a, bag_b), (feature_a, _) = plan.bag_runs[0], plan.feature_runs[0]
+                g_offsets = (offsets[bag_a : bag_b + 1] - value_start[feature_a]).to(values.dtype)
+            else:
+                g_lengths = torch.cat([lengths[a:b] for a, b in plan.bag_runs])
+                g_offsets = complete_cumsum(g_lengths.to(values.dtype))
             g_weights = None
             if weights is not None:
                 w_parts = [weights[value_start[a] : value_start[b]] for a, b in plan.feature_runs]
                 g_weights = w_parts[0] if len(w_parts) == 1 else torch.cat(w_parts)
-            out.append((g_values, complete_cumsum(g_lengths.to(values.dtype)), g_weights))
+            out.append((g_values, g_offsets, g_weights))
         return out
 
     def _writes_in_place(self, g_i: int, device: torch.device) -> bool:

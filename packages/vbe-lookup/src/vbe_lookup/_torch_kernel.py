@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -31,6 +31,7 @@ Pooling = Literal["sum", "mean"]
 Optimizer = Literal["sgd", "rowwise_adagrad"]
 
 _MAX_CACHED_LAYOUTS = 64
+_MAX_EXTERNAL_OFFSETS = 4
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -48,10 +49,15 @@ class _GroupLayout:
     """Where the bags of one dim group go, for one batch-size layout (all on the kernel's device)."""
 
     bag_index: torch.Tensor | None  # [n] long: the group's bags among all bags (None: every bag)
+    local_of_bag: torch.Tensor | None  # [num_bags] long: index among the group's bags (0 for others)
     block_of_bag: torch.Tensor  # [n] long: flat [R, F] block (rank * F + feature) of each bag
     local_start: torch.Tensor  # [n] long: sample * dim inside the block
     positions: torch.Tensor  # [n, dim] long: element positions in the kernel's own output
     dim: int
+    # Positions in callers' `vbe_output`s, keyed by the offsets tensor (identity, storage, version).
+    external: OrderedDict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=OrderedDict
+    )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -311,9 +317,13 @@ class TorchEmbeddingKernel(nn.Module):
                 continue
             blocks, starts = block_of_bag[bag_index], local[bag_index]
             positions = (block_start[blocks] + starts)[:, None] + torch.arange(g.dim)
+            single = len(self._dim_groups) == 1
+            local_of_bag = torch.zeros(num_bags, dtype=torch.long)
+            local_of_bag[bag_index] = torch.arange(bag_index.numel())
             groups.append(
                 _GroupLayout(
-                    bag_index=None if len(self._dim_groups) == 1 else bag_index.to(device),
+                    bag_index=None if single else bag_index.to(device),
+                    local_of_bag=None if single else local_of_bag.to(device),
                     block_of_bag=blocks.to(device),
                     local_start=starts.to(device),
                     positions=positions.to(device),
@@ -470,10 +480,12 @@ class _Plan:
         self.bag_of_id = torch.repeat_interleave(
             torch.arange(layout.num_bags, device=indices.device), self.bag_lengths, output_size=nnz
         )
-        feature_of_id = layout.bag_feature[self.bag_of_id]
-        self.rows = indices.to(torch.long) + kernel._feature_row_offset_t[feature_of_id]
+        feature_of_id = layout.bag_feature.index_select(0, self.bag_of_id)
+        self.rows = indices.to(torch.long) + kernel._feature_row_offset_t.index_select(0, feature_of_id)
         self.multi_group = len(kernel._dim_groups) > 1
-        self.group_of_id = kernel._feature_group_t[feature_of_id] if self.multi_group else None
+        self.group_of_id = (
+            kernel._feature_group_t.index_select(0, feature_of_id) if self.multi_group else None
+        )
         self.per_sample_weights = per_sample_weights
         self.vbe_output_offsets = vbe_output_offsets
         self.nnz = nnz
@@ -493,13 +505,28 @@ class _Plan:
 
     def positions(self, group: _GroupLayout) -> torch.Tensor:
         """``[n_bags_g * dim]`` flat output positions of the group's bag elements."""
-        if self.vbe_output_offsets is None:
+        offsets = self.vbe_output_offsets
+        if offsets is None:
             return group.positions.reshape(-1)
-        starts = self.vbe_output_offsets.reshape(-1).to(torch.long)[group.block_of_bag] + group.local_start
-        return (starts[:, None] + torch.arange(group.dim, device=starts.device)).reshape(-1)
+        # A grouped lookup passes the same cached offsets tensor every step of a layout: build once.
+        key = (id(offsets), offsets.data_ptr(), offsets._version)
+        hit = group.external.get(key)
+        if hit is not None:
+            return hit[1]
+        flat = offsets.reshape(-1).to(torch.long)
+        starts = flat.index_select(0, group.block_of_bag) + group.local_start
+        positions = (starts[:, None] + torch.arange(group.dim, device=starts.device)).reshape(-1)
+        # Keep `offsets` alive with the entry so its id cannot be reused by another tensor.
+        group.external[key] = (offsets, positions)
+        if len(group.external) > _MAX_EXTERNAL_OFFSETS:
+            group.external.popitem(last=False)
+        return positions
 
-    def new_output(self, device: torch.device) -> torch.Tensor:
-        return torch.zeros(self.layout.output_size, dtype=self.kernel.output_dtype, device=device)
+    def bag_lengths_of(self, group: _GroupLayout) -> torch.Tensor:
+        """``[n_bags_g]`` lengths of the group's bags."""
+        if group.bag_index is None:
+            return self.bag_lengths
+        return self.bag_lengths.index_select(0, group.bag_index)
 
     def pooled(self, g_i: int, weight: torch.Tensor) -> torch.Tensor:
         """``[n_bags_g, dim]`` pooled bags of dim group ``g_i`` in the weights' dtype."""
@@ -509,15 +536,21 @@ class _Plan:
         pooled = F.embedding_bag(
             rows, weight, self.offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
         )
-        if self.kernel.pooling == "mean":
-            pooled = pooled / self.bag_lengths.clamp(min=1).to(pooled.dtype)[:, None]
         if group.bag_index is not None:
-            pooled = pooled[group.bag_index]
+            pooled = pooled.index_select(0, group.bag_index)
+        if self.kernel.pooling == "mean":
+            pooled = pooled / self.bag_lengths_of(group).clamp(min=1).to(pooled.dtype)[:, None]
         return pooled
 
     def pool(self, vbe_output: torch.Tensor | None, weights: list[torch.Tensor]) -> torch.Tensor:
         """Forward: every dim group's bags written into ``vbe_output`` (or a new output)."""
-        out = self.new_output(self.rows.device) if vbe_output is None else vbe_output
+        if vbe_output is None:
+            # Every element is written exactly once (every bag belongs to one dim group).
+            out = torch.empty(
+                self.layout.output_size, dtype=self.kernel.output_dtype, device=self.rows.device
+            )
+        else:
+            out = vbe_output
         for g_i, group in enumerate(self.layout.groups):
             if group is None:
                 continue
@@ -563,51 +596,88 @@ class _FusedLookup(torch.autograd.Function):
                 if group is None:
                     continue
                 weight = kernel._weights(g_i)
-                grad_bags = grad_flat[plan.positions(group)].view(-1, group.dim).to(torch.float32)
-                if group.bag_index is not None:
-                    full = torch.zeros(
-                        plan.layout.num_bags, group.dim, dtype=torch.float32, device=grad_flat.device
-                    )
-                    grad_bags = full.index_copy_(0, group.bag_index, grad_bags)
+                grad_bags = (
+                    grad_flat.index_select(0, plan.positions(group)).view(-1, group.dim).to(torch.float32)
+                )
                 if kernel.pooling == "mean":
-                    grad_bags = grad_bags / plan.bag_lengths.clamp(min=1).to(torch.float32)[:, None]
+                    grad_bags = grad_bags / plan.bag_lengths_of(group).clamp(min=1).to(torch.float32)[:, None]
                 rows, id_weight = plan.group_rows_and_weights(g_i, torch.float32)
-                grad_of_id = grad_bags[plan.bag_of_id]
+                # Group-local bag of every id (other groups' ids: bag 0 with weight 0).
+                local_bag = (
+                    plan.bag_of_id
+                    if group.local_of_bag is None
+                    else group.local_of_bag.index_select(0, plan.bag_of_id)
+                )
                 if psw_grad is not None:
-                    contribution = (grad_of_id * weight[rows].to(torch.float32)).sum(1)
+                    grad_of_id = grad_bags.index_select(0, local_bag)
+                    contribution = (grad_of_id * weight.index_select(0, rows).to(torch.float32)).sum(1)
                     if plan.group_of_id is not None:
                         contribution = contribution * (plan.group_of_id == g_i).to(torch.float32)
                     psw_grad += contribution
-                if id_weight is not None:
-                    grad_of_id = grad_of_id * id_weight[:, None]
-                _apply_update(kernel, g_i, weight, rows, grad_of_id)
+                seg_row, seg_grad = _row_gradients(rows, local_bag, grad_bags, id_weight)
+                _apply_update(kernel, g_i, weight, seg_row, seg_grad)
         weights_grad = None
         if psw_grad is not None and plan.per_sample_weights is not None:
             weights_grad = psw_grad.to(plan.per_sample_weights.dtype)
         return None, None, weights_grad, grad_output if ctx.chained else None
 
 
+def _row_gradients(
+    rows: torch.Tensor,
+    local_bag: torch.Tensor,
+    grad_bags: torch.Tensor,
+    id_weight: torch.Tensor | None,
+    *,
+    compact: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradient summed per distinct row: ``(rows [K], grads [K, dim])``.
+
+    ``grad(row) = sum over ids i reading row of id_weight[i] * grad_bags[local_bag[i]]``, computed as
+    one ``F.embedding_bag`` over the ids sorted by row (a fused gather-reduce). On CUDA the number of
+    distinct rows is not asked from the host: ``K = len(rows)`` and the slots past the last distinct row
+    hold row 0 with a zero gradient, which leaves row 0 unchanged. On CPU (where a sync is free) the
+    result is compact (``compact`` overrides the choice).
+    """
+    n = rows.numel()
+    sorted_rows, order = torch.sort(rows)
+    if compact if compact is not None else rows.device.type == "cpu":
+        seg_row, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+        seg_offsets = torch.zeros(seg_row.numel() + 1, dtype=torch.long)
+        torch.cumsum(counts, 0, out=seg_offsets[1:])
+    else:
+        is_start = torch.ones(n, dtype=torch.bool, device=rows.device)
+        is_start[1:] = sorted_rows[1:] != sorted_rows[:-1]
+        segment = torch.cumsum(is_start, 0) - 1
+        positions = torch.arange(n, device=rows.device)
+        seg_offsets = torch.full((n + 1,), n, dtype=torch.long, device=rows.device)
+        seg_offsets.scatter_reduce_(0, segment, positions, reduce="amin")
+        seg_row = torch.zeros_like(rows).scatter_(0, segment, sorted_rows)
+    seg_grad = F.embedding_bag(
+        local_bag.index_select(0, order),
+        grad_bags,
+        seg_offsets,
+        mode="sum",
+        per_sample_weights=None if id_weight is None else id_weight.index_select(0, order),
+        include_last_offset=True,
+    )
+    return seg_row, seg_grad
+
+
 def _apply_update(
-    kernel: TorchEmbeddingKernel, g_i: int, weight: torch.Tensor, rows: torch.Tensor, grad_of_id: torch.Tensor
+    kernel: TorchEmbeddingKernel,
+    g_i: int,
+    weight: torch.Tensor,
+    seg_row: torch.Tensor,
+    seg_grad: torch.Tensor,
 ) -> None:
-    """In-place ``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` step on the rows ``rows`` touch (no host sync)."""
+    """In-place ``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` step from per-row gradients (no host sync)."""
+    if seg_row.numel() == 0:
+        return
     lr = kernel.learning_rate
     if kernel.optimizer == "sgd":
-        weight.index_add_(0, rows, (grad_of_id * -lr).to(weight.dtype))
+        weight.index_add_(0, seg_row, (seg_grad * -lr).to(weight.dtype))
         return
-    # Row-wise Adagrad needs the gradient summed per distinct row. Sort and segment without asking
-    # the host how many distinct rows there are: slots past the last segment hold row 0 with a zero
-    # gradient, which leaves row 0 unchanged (adding 0 to its state and to its weights).
-    n = rows.numel()
-    if n == 0:
-        return
-    sorted_rows, order = torch.sort(rows)
-    is_start = torch.ones(n, dtype=torch.bool, device=rows.device)
-    is_start[1:] = sorted_rows[1:] != sorted_rows[:-1]
-    segment = torch.cumsum(is_start, 0) - 1
-    seg_grad = torch.zeros_like(grad_of_id).index_add_(0, segment, grad_of_id[order])
-    seg_row = torch.zeros_like(rows).scatter_(0, segment, sorted_rows)
     momentum = kernel._momentum(g_i)
     momentum.index_add_(0, seg_row, seg_grad.square().mean(1))
-    step = seg_grad * (-lr / (momentum[seg_row].sqrt() + kernel.eps))[:, None]
+    step = seg_grad * (-lr / (momentum.index_select(0, seg_row).sqrt() + kernel.eps))[:, None]
     weight.index_add_(0, seg_row, step.to(weight.dtype))

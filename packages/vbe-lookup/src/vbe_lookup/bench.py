@@ -1,0 +1,348 @@
+"""Benchmark: ``python -m vbe_lookup.bench [--device cuda] [--json PATH] [--plot PATH] [--quick]``.
+
+Compares, in one run, interleaved, medians:
+
+- ``single``: one kernel holding every table (the target: no merge at all);
+- ``preallocated-K``: the features split over K kernels (K = 2..4), one pre-allocated 1-D output
+  (fbgemm TBEs on CUDA write in place through ``vbe_output``, chained; elsewhere one cached-index copy);
+- ``legacy-K``: the same kernels with torchrec's split/permute/cat merge;
+- on CUDA with fbgemm, ``fbgemm-chain-2``: fbgemm's own ``vbe_output`` chain without our per-layout
+  VBE-metadata cache (fbgemm rebuilds it on the host every call), the issue's 1.73 ms baseline.
+
+Cases: forward (no grad) and forward + backward (fused row-wise Adagrad). Columns: host time per
+step, GPU time (CUDA events), host syncs per step (CUDA sync debug mode) and peak memory above the
+model (CUDA). Default shape (the issue's): 32 features, 8 ranks, dim 128, batch per feature and rank
+128-1024, ~20 ids per bag; ``--quick`` and the CPU default are smaller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import platform
+import random
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import date
+from typing import Any
+
+import torch
+
+from vbe_lookup import GroupedVBELookup, KernelGroup, TorchEmbeddingKernel, VBEFeatures, __version__, _fbgemm
+
+__all__ = ["main"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Impl:
+    name: str
+    lookup: GroupedVBELookup
+    kernels: int
+
+
+def _kernel(kind: str, rows: list[int], dims: list[int], device: torch.device, lr: float) -> Any:
+    if kind == "fbgemm":
+        return _fbgemm.new_tbe(rows, dims, optimizer="rowwise_adagrad", learning_rate=lr, device=device)
+    return TorchEmbeddingKernel(rows, dims, optimizer="rowwise_adagrad", learning_rate=lr, device=device)
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+def _build_impls(args: argparse.Namespace, device: torch.device, kind: str) -> list[_Impl]:
+    keys = [f"f{i}" for i in range(args.features)]
+    rows, dims = [args.rows] * args.features, [args.dim] * args.features
+    impls: list[_Impl] = []
+    single = _kernel(kind, rows, dims, device, args.lr)
+    impls.append(_Impl(name="single", lookup=GroupedVBELookup([KernelGroup(single, keys, dims)]), kernels=1))
+    for k in args.kernels:
+        groups = [
+            KernelGroup(_kernel(kind, rows[a:b], dims[a:b], device, args.lr), keys[a:b], dims[a:b])
+            for a, b in _split(args.features, k)
+        ]
+        impls.append(_Impl(name=f"preallocated-{k}", lookup=GroupedVBELookup(groups), kernels=k))
+        impls.append(_Impl(name=f"legacy-{k}", lookup=GroupedVBELookup(groups, merge="legacy"), kernels=k))
+    if kind == "fbgemm" and device.type == "cuda":
+        groups = [
+            KernelGroup(_kernel(kind, rows[a:b], dims[a:b], device, args.lr), keys[a:b], dims[a:b])
+            for a, b in _split(args.features, 2)
+        ]
+        lookup = GroupedVBELookup(groups, cache_fbgemm_metadata=False)
+        impls.append(_Impl(name="fbgemm-chain-2", lookup=lookup, kernels=2))
+    return impls
+
+
+def _inputs(args: argparse.Namespace, device: torch.device, count: int) -> list[VBEFeatures]:
+    """``count`` batches sharing one batch-size layout (the steady state of a VBE model)."""
+    rng = random.Random(args.seed)
+    stride = [
+        [rng.randint(args.batch_min, args.batch_max) for _ in range(args.ranks)] for _ in range(args.features)
+    ]
+    gen = torch.Generator().manual_seed(args.seed)
+    out = []
+    for _ in range(count):
+        lengths = torch.randint(0, 2 * args.pooling_factor + 1, (sum(map(sum, stride)),), generator=gen)
+        values = torch.randint(0, args.rows, (int(lengths.sum()),), generator=gen)
+        per_key, start = [], 0
+        for row in stride:
+            n = sum(row)
+            per_key.append(int(lengths[start : start + n].sum()))
+            start += n
+        out.append(
+            VBEFeatures(
+                [f"f{i}" for i in range(args.features)],
+                values.to(device),
+                lengths.to(device),
+                stride,
+                length_per_key=per_key,
+            )
+        )
+    return out
+
+
+def _make_step(lookup: GroupedVBELookup, inputs: list[VBEFeatures], mode: str) -> Callable[[int], None]:
+    """One training (``fwd+bwd``) or inference (``fwd``) step on batch ``i % len(inputs)``."""
+
+    def step(i: int) -> None:
+        features = inputs[i % len(inputs)]
+        if mode == "fwd":
+            with torch.no_grad():
+                lookup(features)
+        else:
+            out = lookup(features).values()
+            torch.autograd.backward(out, torch.ones_like(out))
+
+    return step
+
+
+def _event() -> torch.cuda.Event:
+    event: torch.cuda.Event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # untyped in torch
+    return event
+
+
+def _count_syncs(fn: Callable[[], None]) -> int:
+    """Synchronizing CUDA calls made by ``fn`` (CUDA sync debug mode, warn level)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def _run(args: argparse.Namespace, device: torch.device, kind: str) -> list[dict[str, Any]]:
+    impls = _build_impls(args, device, kind)
+    inputs = _inputs(args, device, 4)
+    cuda = device.type == "cuda"
+    results: list[dict[str, Any]] = []
+    for mode in ("fwd", "fwd+bwd"):
+        steps = {impl.name: _make_step(impl.lookup, inputs, mode) for impl in impls}
+        for step in steps.values():  # warm-up: layouts, caches, allocator
+            for i in range(args.warmup):
+                step(i)
+        host: dict[str, list[float]] = {n: [] for n in steps}
+        gpu: dict[str, list[float]] = {n: [] for n in steps}
+        for i in range(args.iters):
+            for name, step in steps.items():  # interleaved
+                if cuda:
+                    torch.cuda.synchronize()
+                    begin, end = _event(), _event()
+                    begin.record()
+                t0 = time.perf_counter()
+                step(i)
+                host[name].append((time.perf_counter() - t0) * 1e3)
+                if cuda:
+                    end.record()
+                    end.synchronize()
+                    gpu[name].append(begin.elapsed_time(end))
+        for impl in impls:
+            name = impl.name
+            syncs = peak = None
+            if cuda:
+                syncs = _count_syncs(functools.partial(steps[name], 0))
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                steps[name](0)
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - base
+            times = gpu[name] if cuda else host[name]
+            results.append(
+                {
+                    "case": f"{mode} F{args.features} R{args.ranks} D{args.dim} B{args.batch_min}-{args.batch_max} L~{args.pooling_factor}",
+                    "impl": f"{kind}/{name}",
+                    "median_ms": statistics.median(times),
+                    "p10_ms": _percentile(times, 0.1),
+                    "p90_ms": _percentile(times, 0.9),
+                    "peak_mem_bytes": peak,
+                    "host_ms": statistics.median(host[name]),
+                    "gpu_ms": statistics.median(gpu[name]) if cuda else None,
+                    "syncs_per_step": syncs,
+                    "kernels": impl.kernels,
+                    "mode": mode,
+                    "kernel": kind,
+                }
+            )
+    return results
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{'case':<40} {'impl':<28} {'host ms':>9} {'GPU ms':>9} {'vs single':>9} {'syncs':>6} {'peak MiB':>9}"
+    ]
+    singles = {(r["case"], r["kernel"]): r["median_ms"] for r in results if r["impl"].endswith("/single")}
+    for r in results:
+        ratio = r["median_ms"] / singles[(r["case"], r["kernel"])]
+        gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.3f}"
+        syncs = "-" if r["syncs_per_step"] is None else str(r["syncs_per_step"])
+        peak = "-" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**20:.1f}"
+        lines.append(
+            f"{r['case']:<40} {r['impl']:<28} {r['host_ms']:>9.3f} {gpu:>9} {ratio:>8.2f}x {syncs:>6} {peak:>9}"
+        )
+    return "\n".join(lines)
+
+
+def _plot(results: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r["case"] for r in results))
+    fig, axes = plt.subplots(1, len(cases), figsize=(7 * len(cases), 5), squeeze=False)
+    for ax, case in zip(axes[0], cases, strict=True):
+        rows = [r for r in results if r["case"] == case]
+        ax.barh([r["impl"] for r in rows], [r["median_ms"] for r in rows], color="tab:blue")
+        ax.set_title(case, fontsize=9)
+        ax.set_xlabel("median ms per step")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m vbe_lookup.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--kernel",
+        choices=["auto", "fbgemm", "torch", "both"],
+        default="auto",
+        help="kernel kind: fbgemm TBEs (auto when fbgemm imports), TorchEmbeddingKernel, or both",
+    )
+    parser.add_argument("--features", type=int, default=None)
+    parser.add_argument("--ranks", type=int, default=None)
+    parser.add_argument("--dim", type=int, default=None)
+    parser.add_argument("--rows", type=int, default=None)
+    parser.add_argument("--batch-min", type=int, default=None)
+    parser.add_argument("--batch-max", type=int, default=None)
+    parser.add_argument("--pooling-factor", type=int, default=None, help="mean ids per bag")
+    parser.add_argument("--kernels", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
+    parser.add_argument("--quick", action="store_true", help="a small, fast run")
+    parser.add_argument("--json", default=None, help="write results as JSON here")
+    parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
+    return parser
+
+
+def _defaults(args: argparse.Namespace, device: torch.device) -> None:
+    if args.quick:
+        shape = {
+            "features": 8,
+            "ranks": 2,
+            "dim": 32,
+            "rows": 1000,
+            "batch_min": 8,
+            "batch_max": 32,
+            "pooling_factor": 4,
+            "iters": 10,
+        }
+    elif device.type == "cuda":  # the issue's production-like shape
+        shape = {
+            "features": 32,
+            "ranks": 8,
+            "dim": 128,
+            "rows": 100_000,
+            "batch_min": 128,
+            "batch_max": 1024,
+            "pooling_factor": 20,
+            "iters": 50,
+        }
+    else:
+        shape = {
+            "features": 32,
+            "ranks": 4,
+            "dim": 64,
+            "rows": 10_000,
+            "batch_min": 16,
+            "batch_max": 64,
+            "pooling_factor": 10,
+            "iters": 25,
+        }
+    for key, value in shape.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.kernels = [k for k in args.kernels if 2 <= k <= args.features]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print a table; optionally write JSON and a plot."""
+    args = _parser().parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _defaults(args, device)
+    has_fbgemm = _fbgemm.fbgemm_available()
+    if args.kernel == "auto":
+        kinds = ["fbgemm" if has_fbgemm else "torch"]
+    elif args.kernel == "both":
+        kinds = ["fbgemm", "torch"] if has_fbgemm else ["torch"]
+    else:
+        kinds = [args.kernel]
+    results = [r for kind in kinds for r in _run(args, device, kind)]
+    print(
+        f"vbe_lookup {__version__} | torch {torch.__version__} | {_fbgemm.fbgemm_status()} | device {device}"
+    )
+    print(_table(results))
+    if args.json:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu: {platform.machine()}"
+        payload = {
+            "package": "vbe-lookup",
+            "version": __version__,
+            "device": name,
+            "torch": torch.__version__,
+            "fbgemm": _fbgemm.fbgemm_status(),
+            "date": date.today().isoformat(),
+            "command": "python -m vbe_lookup.bench "
+            + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+            "threads": torch.get_num_threads(),
+            "results": results,
+        }
+        with open(args.json, "w") as fh:
+            json.dump(payload, fh, indent=2)
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""CUDA paths: TorchEmbeddingKernel on the GPU, zero host syncs per step, fbgemm's real `vbe_output` chain.
+
+Run on a GPU machine: ``REQUIRE_GPU=1 pytest -m gpu packages/vbe-lookup/tests`` (fbgemm-gpu on the path for the
+fbgemm tests; they skip when it does not import).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from vbe_lookup import GroupedVBELookup, KernelGroup, TorchEmbeddingKernel, VBEFeatures, _fbgemm
+from vbe_lookup.testing import ReferenceOptimizer, random_features, reference_pooled
+
+pytestmark = pytest.mark.gpu
+
+KEYS = ["a", "b", "c", "d", "e"]
+ROWS = [50, 60, 70, 80, 90]
+DIMS = [8, 16, 8, 32, 16]
+STRIDE = [[3, 0, 5, 2], [1, 4, 0, 2], [0, 0, 0, 0], [2, 2, 2, 2], [5, 1, 0, 3]]
+
+
+@contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Fail on any synchronizing CUDA call inside the block."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _features(seed: int, device: str, *, weighted: bool = False) -> VBEFeatures:
+    return random_features(
+        KEYS,
+        ROWS,
+        STRIDE,
+        weighted=weighted,
+        generator=torch.Generator().manual_seed(seed),
+        device=device,
+        with_length_per_key=True,
+    )
+
+
+def _tables(kernel: Any) -> list[torch.Tensor]:
+    tables: list[torch.Tensor] = kernel.split_embedding_weights()
+    return tables
+
+
+def _copy_tables(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"], ids=["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("pooling", ["sum", "mean"], ids=["sum", "mean"])
+def test_torch_kernel_on_cuda_matches_cpu(optimizer: Any, pooling: Any) -> None:
+    """Same forward and same tables after two fused steps on CUDA as on CPU."""
+    torch.manual_seed(0)
+    cpu = TorchEmbeddingKernel(ROWS, DIMS, pooling=pooling, optimizer=optimizer, learning_rate=0.1)
+    gpu = TorchEmbeddingKernel(
+        ROWS, DIMS, pooling=pooling, optimizer=optimizer, learning_rate=0.1, device="cuda"
+    )
+    _copy_tables(gpu.split_embedding_weights(), cpu.split_embedding_weights())
+    for step in range(2):
+        f_cpu, f_gpu = _features(step, "cpu", weighted=True), _features(step, "cuda", weighted=True)
+        kw_cpu = {"per_sample_weights": f_cpu.weights_or_none(), "batch_size_per_feature_per_rank": STRIDE}
+        kw_gpu = {"per_sample_weights": f_gpu.weights_or_none(), "batch_size_per_feature_per_rank": STRIDE}
+        out_cpu = cpu(f_cpu.values(), f_cpu.offsets(), **kw_cpu)
+        out_gpu = gpu(f_gpu.values(), f_gpu.offsets(), **kw_gpu)
+        torch.testing.assert_close(out_gpu.cpu(), out_cpu, atol=1e-5, rtol=1e-5)
+        grad = torch.randn(out_cpu.shape)
+        torch.autograd.backward(out_cpu, grad)
+        torch.autograd.backward(out_gpu, grad.cuda())
+        for a, b in zip(gpu.split_embedding_weights(), cpu.split_embedding_weights(), strict=True):
+            torch.testing.assert_close(a.cpu(), b, atol=1e-5, rtol=1e-5)
+
+
+def _torch_lookup(device: str, merge: Any = "preallocated") -> GroupedVBELookup:
+    torch.manual_seed(0)
+    k0 = TorchEmbeddingKernel(ROWS[:2], DIMS[:2], optimizer="rowwise_adagrad", device=device)
+    k1 = TorchEmbeddingKernel(ROWS[2:], DIMS[2:], optimizer="rowwise_adagrad", device=device)
+    return GroupedVBELookup(
+        [KernelGroup(k0, KEYS[:2], DIMS[:2]), KernelGroup(k1, KEYS[2:], DIMS[2:])], merge=merge
+    )
+
+
+@pytest.mark.parametrize("merge", ["preallocated", "legacy"], ids=["preallocated", "legacy"])
+def test_grouped_on_cuda_matches_cpu(merge: Any) -> None:
+    """The grouped lookup on CUDA equals the CPU one, forward and tables after a step."""
+    cpu, gpu = _torch_lookup("cpu", merge), _torch_lookup("cuda", merge)
+    for g_cpu, g_gpu in zip(cpu.groups, gpu.groups, strict=True):
+        _copy_tables(_tables(g_gpu.kernel), _tables(g_cpu.kernel))
+    out_cpu, out_gpu = cpu(_features(0, "cpu")), gpu(_features(0, "cuda"))
+    torch.testing.assert_close(out_gpu.values().cpu(), out_cpu.values(), atol=1e-5, rtol=1e-5)
+    assert out_gpu.offsets().device.type == "cuda"
+    grad = torch.randn(out_cpu.values().shape)
+    torch.autograd.backward(out_cpu.values(), grad)
+    torch.autograd.backward(out_gpu.values(), grad.cuda())
+    for g_cpu, g_gpu in zip(cpu.groups, gpu.groups, strict=True):
+        for a, b in zip(_tables(g_gpu.kernel), _tables(g_cpu.kernel), strict=True):
+            torch.testing.assert_close(a.cpu(), b, atol=1e-5, rtol=1e-5)
+
+
+def test_preallocated_step_has_no_host_sync() -> None:
+    """After the first step of a layout, forward + fused backward make no synchronizing CUDA call."""
+    lookup = _torch_lookup("cuda")
+    features = _features(0, "cuda")
+    torch.autograd.backward(lookup(features).values().sum())  # builds and caches the layout
+    features = _features(1, "cuda")
+    with no_host_sync():
+        out = lookup(features).values()
+        torch.autograd.backward(out, torch.ones_like(out))
+
+
+needs_fbgemm = pytest.mark.skipif(not _fbgemm.fbgemm_available(), reason=f"fbgemm: {_fbgemm.fbgemm_status()}")
+
+
+def _fbgemm_lookup(merge: Any = "preallocated") -> tuple[GroupedVBELookup, dict[str, torch.Tensor]]:
+    """Two fbgemm TBEs (a,b | c,d) and a TorchEmbeddingKernel (e) on CUDA, plus reference tables."""
+    torch.manual_seed(0)
+    t0 = _fbgemm.new_tbe(ROWS[:2], DIMS[:2], optimizer="rowwise_adagrad", learning_rate=0.05, device="cuda")
+    t1 = _fbgemm.new_tbe(ROWS[2:4], DIMS[2:4], optimizer="rowwise_adagrad", learning_rate=0.05, device="cuda")
+    k2 = TorchEmbeddingKernel(
+        ROWS[4:], DIMS[4:], optimizer="rowwise_adagrad", learning_rate=0.05, device="cuda"
+    )
+    tables = {}
+    for kernel, names in ((t0, KEYS[:2]), (t1, KEYS[2:4]), (k2, KEYS[4:])):
+        for name, w in zip(names, kernel.split_embedding_weights(), strict=True):
+            with torch.no_grad():
+                w.uniform_(-1, 1)
+            tables[name] = w
+    lookup = GroupedVBELookup(
+        [
+            KernelGroup(t0, KEYS[:2], DIMS[:2]),
+            KernelGroup(t1, KEYS[2:4], DIMS[2:4]),
+            KernelGroup(k2, KEYS[4:], DIMS[4:]),
+        ],
+        merge=merge,
+    )
+    return lookup, tables
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("merge", ["preallocated", "legacy"], ids=["preallocated", "legacy"])
+def test_fbgemm_vbe_output_chain_matches_reference(merge: Any) -> None:
+    """fbgemm TBEs write in place through `vbe_output` (chained) and equal the reference, fwd and two steps."""
+    lookup, tables = _fbgemm_lookup(merge)
+    assert lookup._writes_in_place(0, torch.device("cuda"))
+    ref_tables = {k: v.detach().cpu().clone().requires_grad_(True) for k, v in tables.items()}
+    ref_opt = ReferenceOptimizer(list(ref_tables.values()), "rowwise_adagrad", 0.05)
+    for step in range(2):
+        out = lookup(_features(step, "cuda"))
+        ref = reference_pooled(ref_tables, _features(step, "cpu"))
+        torch.testing.assert_close(out.values().cpu(), ref.detach(), atol=1e-5, rtol=1e-5)
+        grad = torch.randn(ref.shape)
+        torch.autograd.backward(out.values(), grad.cuda())
+        torch.autograd.backward(ref, grad)
+        ref_opt.step()
+        for name, w in tables.items():
+            torch.testing.assert_close(
+                w.detach().cpu(), ref_tables[name].detach(), atol=1e-5, rtol=1e-5, msg=name
+            )
+
+
+@needs_fbgemm
+def test_fbgemm_preallocated_step_has_no_host_sync() -> None:
+    """The fbgemm pre-allocated chain (with cached VBE metadata) makes no synchronizing call per step."""
+    lookup, _ = _fbgemm_lookup()
+    torch.autograd.backward(lookup(_features(0, "cuda")).values().sum())
+    features = _features(1, "cuda")
+    with no_host_sync():
+        out = lookup(features).values()
+        torch.autograd.backward(out, torch.ones_like(out))
