@@ -124,7 +124,6 @@ class _TableGroup:
 class _Pending:
     indices: torch.Tensor
     future: Future[dict[int, _TableGroup]]
-    event: Any = None
 
 
 @dataclass(slots=True)
@@ -407,7 +406,7 @@ class KeyValueEmbeddingBags(nn.Module):
         self._check_open()
         self.wait_prefetch()
         with self._lock:
-            self._sync_streams_for_host_read()
+            self._wait_insert_event()
             for table, cache in enumerate(self._caches):
                 dirty = cache.dirty.nonzero().flatten()
                 if dirty.numel():
@@ -1090,9 +1089,6 @@ class KeyValueEmbeddingBags(nn.Module):
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
             event.record(torch.cuda.current_stream(self._device))
             self._main_event = event
-
-    def _sync_streams_for_host_read(self) -> None:
-        self._wait_insert_event()
 
     # ------------------------------------------------------------------ records
 
