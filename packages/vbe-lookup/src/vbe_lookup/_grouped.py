@@ -7,6 +7,7 @@ batch-size layout and cached on the device, so a step does no host sync and no `
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from torch import nn
 from vbe_lookup import _fbgemm
 from vbe_lookup._compat import eager_only
 from vbe_lookup._features import complete_cumsum
-from vbe_lookup._torch_kernel import TorchEmbeddingKernel
+from vbe_lookup._torch_kernel import GRANULE_ATTRIBUTE, TorchEmbeddingKernel
 from vbe_lookup.errors import (
     BatchLayoutError,
     ConfigurationError,
@@ -205,7 +206,7 @@ class _GroupPlan:
     vbe_output_offsets: torch.Tensor  # [R, F_g] int64 on the device (contiguous)
     block_starts: tuple[int, ...]  # per rank: where this group's rank block starts in the output
     block_sizes: tuple[int, ...]  # per rank: its size
-    placement: list[torch.Tensor]  # lazily: [size_g] long positions of the kernel's own output
+    placement: list[tuple[torch.Tensor, int]]  # lazily: rows of the output viewed [-1, granule], granule
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -367,6 +368,9 @@ class GroupedVBELookup(nn.Module):
         offsets = torch.tensor(offsets_host, dtype=torch.long).reshape(num_ranks, len(out_keys))
         offsets_dev = _to_device(offsets, device)
 
+        # Every offset, size and the total are multiples of `granule`: kernels writing in place and the
+        # placement copy move rows of `granule` elements with one index entry per row.
+        granule = math.gcd(cursor, *out_dims, *(o for row in offsets_host for o in row))
         plans: list[_GroupPlan] = []
         first = 0
         for g_i, group in enumerate(self.groups):
@@ -380,6 +384,8 @@ class GroupedVBELookup(nn.Module):
             bag_runs = tuple((bag_start[a], bag_start[b]) for a, b in runs)
             batch_sizes = [list(stride[i]) for i in idx]
             n = len(group.features)
+            group_offsets = offsets_dev[:, first : first + n].contiguous()
+            setattr(group_offsets, GRANULE_ATTRIBUTE, granule)
             plans.append(
                 _GroupPlan(
                     bag_runs=bag_runs,
@@ -387,7 +393,7 @@ class GroupedVBELookup(nn.Module):
                     whole_input=runs == [(0, len(keys))],
                     batch_sizes=batch_sizes,
                     num_bags=sum(sum(row) for row in batch_sizes),
-                    vbe_output_offsets=offsets_dev[:, first : first + n].contiguous(),
+                    vbe_output_offsets=group_offsets,
                     block_starts=tuple(group_block_starts[g_i]),
                     block_sizes=tuple(group_block_sizes[g_i]),
                     placement=[],
@@ -576,7 +582,8 @@ class GroupedVBELookup(nn.Module):
                 out = _call(group.kernel, item, plan.batch_sizes, out, plan.vbe_output_offsets).reshape(-1)
             else:
                 y = _call(group.kernel, item, plan.batch_sizes).reshape(-1).to(dtype)
-                out = out.index_copy_(0, _placement(plan, device), y)
+                rows, granule = _placement(plan, layout.total, device)
+                out.view(-1, granule).index_copy_(0, rows, y.view(-1, granule))
         return out
 
     def _legacy_merge(
@@ -623,15 +630,21 @@ def _call(
     )
 
 
-def _placement(plan: _GroupPlan, device: torch.device) -> torch.Tensor:
-    """``[size_g]`` output positions of a kernel's own VBE output (rank blocks), cached per layout."""
+def _placement(plan: _GroupPlan, total: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Rows of the output viewed ``[-1, granule]`` receiving a kernel's own VBE output, cached per layout.
+
+    The kernel's output is its rank blocks one after the other; block ``r`` goes to
+    ``block_starts[r]``. ``granule`` divides every start, size and the total, so one index entry moves
+    ``granule`` elements.
+    """
     if not plan.placement:
-        starts = torch.tensor(plan.block_starts, dtype=torch.long)
-        sizes = torch.tensor(plan.block_sizes, dtype=torch.long)
-        total = int(sizes.sum())
+        granule = math.gcd(total, *plan.block_starts, *plan.block_sizes) or 1
+        starts = torch.tensor(plan.block_starts, dtype=torch.long) // granule
+        sizes = torch.tensor(plan.block_sizes, dtype=torch.long) // granule
+        rows = int(sizes.sum())
         own_starts = torch.cumsum(sizes, 0) - sizes
-        shift = torch.repeat_interleave(starts - own_starts, sizes, output_size=total)
-        plan.placement.append(_to_device(torch.arange(total) + shift, device))
+        shift = torch.repeat_interleave(starts - own_starts, sizes, output_size=rows)
+        plan.placement.append((_to_device(torch.arange(rows) + shift, device), granule))
     return plan.placement[0]
 
 

@@ -52,10 +52,11 @@ class _GroupLayout:
     local_of_bag: torch.Tensor | None  # [num_bags] long: index among the group's bags (0 for others)
     block_of_bag: torch.Tensor  # [n] long: flat [R, F] block (rank * F + feature) of each bag
     local_start: torch.Tensor  # [n] long: sample * dim inside the block
-    positions: torch.Tensor  # [n, dim] long: element positions in the kernel's own output
+    positions: torch.Tensor  # [n * dim / granule] long: rows of the own output viewed [-1, granule]
+    granule: int  # elements per index entry: divides dim, every block start and the output size
     dim: int
     # Positions in callers' `vbe_output`s, keyed by the offsets tensor (identity, storage, version).
-    external: OrderedDict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(
+    external: OrderedDict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, int]] = field(
         default_factory=OrderedDict
     )
 
@@ -316,7 +317,8 @@ class TorchEmbeddingKernel(nn.Module):
                 groups.append(None)
                 continue
             blocks, starts = block_of_bag[bag_index], local[bag_index]
-            positions = (block_start[blocks] + starts)[:, None] + torch.arange(g.dim)
+            granule = math.gcd(g.dim, output_size, *set(block_start[blocks].tolist()))
+            positions = _granule_rows(block_start[blocks] + starts, g.dim, granule)
             single = len(self._dim_groups) == 1
             local_of_bag = torch.zeros(num_bags, dtype=torch.long)
             local_of_bag[bag_index] = torch.arange(bag_index.numel())
@@ -327,6 +329,7 @@ class TorchEmbeddingKernel(nn.Module):
                     block_of_bag=blocks.to(device),
                     local_start=starts.to(device),
                     positions=positions.to(device),
+                    granule=granule,
                     dim=g.dim,
                 )
             )
@@ -459,6 +462,19 @@ def _table_shapes(
     return rows, dims
 
 
+GRANULE_ATTRIBUTE = "_vbe_lookup_granule"
+
+
+def _granule_rows(bag_starts: torch.Tensor, dim: int, granule: int) -> torch.Tensor:
+    """``[n * dim / granule]`` rows of a 1-D output viewed ``[-1, granule]`` covering bags of ``dim``
+    elements starting at ``bag_starts`` (all multiples of ``granule``)."""
+    per_bag = dim // granule
+    return (
+        torch.div(bag_starts, granule, rounding_mode="floor")[:, None]
+        + torch.arange(per_bag, device=bag_starts.device)
+    ).reshape(-1)
+
+
 class _Plan:
     """One call's inputs and derived per-id tensors, shared by forward and the fused backward."""
 
@@ -503,24 +519,26 @@ class _Plan:
         weight = mine.to(dtype) if psw is None else psw.to(dtype) * mine.to(dtype)
         return rows, weight
 
-    def positions(self, group: _GroupLayout) -> torch.Tensor:
-        """``[n_bags_g * dim]`` flat output positions of the group's bag elements."""
+    def positions(self, group: _GroupLayout) -> tuple[torch.Tensor, int]:
+        """Rows of the output viewed ``[-1, granule]`` holding the group's bags, and the granule."""
         offsets = self.vbe_output_offsets
         if offsets is None:
-            return group.positions.reshape(-1)
+            return group.positions, group.granule
         # A grouped lookup passes the same cached offsets tensor every step of a layout: build once.
         key = (id(offsets), offsets.data_ptr(), offsets._version)
         hit = group.external.get(key)
         if hit is not None:
-            return hit[1]
+            return hit[1], hit[2]
+        # The grouped lookup tags its offsets with a granule dividing every offset and the total.
+        granule = math.gcd(group.dim, int(getattr(offsets, GRANULE_ATTRIBUTE, 1)))
         flat = offsets.reshape(-1).to(torch.long)
         starts = flat.index_select(0, group.block_of_bag) + group.local_start
-        positions = (starts[:, None] + torch.arange(group.dim, device=starts.device)).reshape(-1)
+        positions = _granule_rows(starts, group.dim, granule)
         # Keep `offsets` alive with the entry so its id cannot be reused by another tensor.
-        group.external[key] = (offsets, positions)
+        group.external[key] = (offsets, positions, granule)
         if len(group.external) > _MAX_EXTERNAL_OFFSETS:
             group.external.popitem(last=False)
-        return positions
+        return positions, granule
 
     def bag_lengths_of(self, group: _GroupLayout) -> torch.Tensor:
         """``[n_bags_g]`` lengths of the group's bags."""
@@ -555,7 +573,8 @@ class _Plan:
             if group is None:
                 continue
             pooled = self.pooled(g_i, weights[g_i])
-            out = out.index_copy_(0, self.positions(group), pooled.reshape(-1).to(out.dtype))
+            rows, granule = self.positions(group)
+            out.view(-1, granule).index_copy_(0, rows, pooled.to(out.dtype).reshape(-1, granule))
         if vbe_output is None:
             return out.view(self.layout.output_shape)
         return out
@@ -587,7 +606,7 @@ class _FusedLookup(torch.autograd.Function):
     ) -> tuple[None, None, torch.Tensor | None, torch.Tensor | None]:
         plan: _Plan = ctx.plan
         kernel = plan.kernel
-        grad_flat = grad_output.reshape(-1)
+        grad_flat = grad_output.reshape(-1).contiguous()
         psw_grad: torch.Tensor | None = None
         if ctx.needs_input_grad[2]:
             psw_grad = torch.zeros(plan.nnz, dtype=torch.float32, device=grad_flat.device)
@@ -596,8 +615,12 @@ class _FusedLookup(torch.autograd.Function):
                 if group is None:
                     continue
                 weight = kernel._weights(g_i)
+                rows_of_out, granule = plan.positions(group)
                 grad_bags = (
-                    grad_flat.index_select(0, plan.positions(group)).view(-1, group.dim).to(torch.float32)
+                    grad_flat.view(-1, granule)
+                    .index_select(0, rows_of_out)
+                    .view(-1, group.dim)
+                    .to(torch.float32)
                 )
                 if kernel.pooling == "mean":
                     grad_bags = grad_bags / plan.bag_lengths_of(group).clamp(min=1).to(torch.float32)[:, None]

@@ -141,6 +141,22 @@ def _count_syncs(fn: Callable[[], None]) -> int:
     return sum("synchronizing" in str(w.message) for w in caught)
 
 
+def _profile(label: str, step: Callable[[int], None], cuda: bool) -> None:
+    """Print the ops of three steps by host time, and by device time on CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for i in range(3):
+            step(i)
+        if cuda:
+            torch.cuda.synchronize()
+    print(f"\n=== profile {label} (3 steps) ===")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    if cuda:
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
+
+
 def _percentile(xs: list[float], q: float) -> float:
     ordered = sorted(xs)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
@@ -183,6 +199,10 @@ def _run(args: argparse.Namespace, device: torch.device, kind: str) -> list[dict
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated() - base
             times = gpu[name] if cuda else host[name]
+            if mode == "fwd+bwd" and args.profile is not None:
+                wanted = args.profile or ["single", "preallocated-2", "legacy-2", "fbgemm-chain-2"]
+                if name in wanted:
+                    _profile(f"{kind}/{name}", steps[name], cuda)
             results.append(
                 {
                     "case": f"{mode} F{args.features} R{args.ranks} D{args.dim} B{args.batch_min}-{args.batch_max} L~{args.pooling_factor}",
@@ -259,6 +279,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
     parser.add_argument("--quick", action="store_true", help="a small, fast run")
+    parser.add_argument(
+        "--profile",
+        nargs="*",
+        default=None,
+        metavar="IMPL",
+        help="after timing, print a torch.profiler table (host and device time per op) of a few fwd+bwd steps "
+        "of these implementations (default: single, preallocated-2, legacy-2, fbgemm-chain-2)",
+    )
     parser.add_argument("--json", default=None, help="write results as JSON here")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
     return parser
