@@ -72,6 +72,7 @@ class TrainConfig:
     resume: bool = False
     checkpoint_every: int = 0
     log_every: int = 25
+    batch_pool: int = 0
     regroup_backend: str = "auto"
     device: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -153,6 +154,13 @@ def _batches(
                 yield batch.pin_memory() if pin else batch
         return
     source = SyntheticCriteo(config.synthetic(rank, world_size), rank=rank, world_size=world_size)
+    if config.batch_pool > 0:
+        # Generate a pool once and cycle it: on a GPU the host generator would otherwise be the bottleneck.
+        pool = [source.batch(i) for i in range(min(config.batch_pool, config.steps))]
+        pool = [b.pin_memory() for b in pool] if pin else pool
+        for index in range(start, config.steps):
+            yield pool[index % len(pool)]
+        return
     for index in range(start, config.steps):
         yield source.batch(index).pin_memory() if pin else source.batch(index)
 
@@ -635,6 +643,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
     p.add_argument("--log-every", type=int, default=defaults.log_every)
+    p.add_argument(
+        "--batch-pool",
+        type=int,
+        default=defaults.batch_pool,
+        help="generate N synthetic batches up front and cycle them (GPU throughput runs); 0: a new batch per step",
+    )
     p.add_argument("--regroup-backend", default=defaults.regroup_backend)
     p.add_argument("--device", default=defaults.device, help="auto, cpu, cuda")
     a = p.parse_args(argv)
@@ -661,6 +675,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         resume=a.resume,
         checkpoint_every=a.checkpoint_every,
         log_every=a.log_every,
+        batch_pool=a.batch_pool,
         regroup_backend=a.regroup_backend,
         device=a.device,
     )

@@ -45,6 +45,21 @@ def _config(out: Path, **changes: Any) -> TrainConfig:
     return dataclasses.replace(base, **changes)
 
 
+def _write_criteo_tsv(path: Path, lines: int) -> Path:
+    """``lines`` random Criteo lines (label, 13 counts, 26 hex hashes; some fields missing)."""
+    gen = torch.Generator().manual_seed(7)
+    rows = []
+    for _ in range(lines):
+        label = str(int(torch.randint(0, 2, (1,), generator=gen)))
+        dense = [str(int(v)) if v >= 0 else "" for v in torch.randint(-2, 50, (13,), generator=gen).tolist()]
+        sparse = [
+            f"{v:08x}" if v % 10 else "" for v in torch.randint(0, 2**31, (26,), generator=gen).tolist()
+        ]
+        rows.append("\t".join([label, *dense, *sparse]))
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return path
+
+
 def _assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
     try:
         torch.testing.assert_close(actual, expected)
@@ -65,14 +80,17 @@ def _assert_same_state(a: TrainResult, b: TrainResult) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[TrainResult]]:
     """Per mode, the two ranks' results (one 2-process world runs every mode)."""
     root = tmp_path_factory.mktemp("dlrm")
+    tsv = _write_criteo_tsv(root / "day_0.tsv", lines=5 * 8)
     configs = [
         _config(root / "pipelined"),
         _config(root / "plain", pipeline=False),
         _config(root / "resumed", steps=STEPS // 2),
         _config(root / "resumed", resume=True),
+        _config(root / "tsv_pipelined", data=(tsv,), batch_size=8),
+        _config(root / "tsv_plain", data=(tsv,), batch_size=8, pipeline=False),
     ]
     per_rank = run_world(train_configs, 2, (configs,), timeout_s=420)
-    modes = ["pipelined", "plain", "first_half", "resumed"]
+    modes = ["pipelined", "plain", "first_half", "resumed", "tsv_pipelined", "tsv_plain"]
     return {mode: [per_rank[rank][i] for rank in range(2)] for i, mode in enumerate(modes)}
 
 
@@ -120,3 +138,13 @@ def test_resume_continues_exactly(runs: dict[str, list[TrainResult]]) -> None:
             torch.tensor(first_half.losses + resumed.losses), torch.tensor(straight.losses)
         )
         _assert_same_state(resumed, straight)
+
+
+def test_criteo_tsv_training_stops_all_ranks_together(runs: dict[str, list[TrainResult]]) -> None:
+    """5 TSV batches dealt round-robin (3 to rank 0, 2 to rank 1): both ranks train 2 steps, pipelined or not,
+    with the same result."""
+    for mode in ("tsv_pipelined", "tsv_plain"):
+        assert [r.steps for r in runs[mode]] == [2, 2], mode
+        assert all(s == 8 for r in runs[mode] for s in r.samples)
+    for pipelined, plain in zip(runs["tsv_pipelined"], runs["tsv_plain"], strict=True):
+        _assert_same_state(pipelined, plain)
