@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kt_regroup import KeyedTensor, KTRegroupAsDict, available_backends, regroup, regroup_as_dict
+from kt_regroup import KeyedTensor, KTRegroupAsDict, _torch_impl, available_backends, regroup, regroup_as_dict
 from kt_regroup.testing import clone_kts, make_kts, reference, run_backward
 
 CPU_BACKENDS = available_backends("cpu")
@@ -93,6 +93,32 @@ def test_regroup_matches_slice_cat_reference(
     ref_kts = clone_kts(kts)
     outputs = regroup(kts, groups, backend=backend)
     check_against_reference(kts, groups, outputs, ref_kts)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    layout=layouts(),
+    batch=st.integers(0, 4),
+    dtype=st.sampled_from(DTYPES),
+    key_dim=st.sampled_from([0, 1]),
+)
+def test_torch_index_path_matches_reference(
+    layout: tuple[list[list[str]], list[list[int]], list[list[str]]],
+    batch: int,
+    dtype: torch.dtype,
+    key_dim: int,
+) -> None:
+    """The torch backend's index path (CUDA's; CPU uses split + cat) also equals the reference."""
+    keys, lengths, groups = layout
+    kts = make_kts(keys, lengths, batch, dtype, key_dim)
+    ref_kts = clone_kts(kts)
+    saved = set(_torch_impl.CAT_DEVICES)
+    _torch_impl.CAT_DEVICES.clear()
+    try:
+        outputs = regroup(kts, groups, backend="torch")
+        check_against_reference(kts, groups, outputs, ref_kts)
+    finally:
+        _torch_impl.CAT_DEVICES.update(saved)
 
 
 @pytest.mark.parametrize("backend", ["auto", *CPU_BACKENDS], ids=["auto", *CPU_BACKENDS])

@@ -112,6 +112,29 @@ def _torch_plan(spec: RegroupSpec, dtype: torch.dtype) -> tuple[list[IndexData],
     reduced = dtype in (torch.float16, torch.bfloat16)
     acc_fp32 = int(reduced and spec.max_occurrences >= 3)
     meta = [unit, acc_fp32, len(spec.in_widths), *zero_init, n_fwd, *fwd, len(pieces), *bwd]
+    # The CPU path (split + cat, see _torch_impl): key counts and lengths per input, each group's key
+    # ids, each input's gradient pieces (entry index of the key's first use, or a zero piece).
+    n_groups = len(spec.out_widths)
+    counts = [0] * len(spec.in_widths)
+    for input_index, _, _ in spec.key_segments:
+        counts[input_index] += 1
+    group_keys: list[list[int]] = [[] for _ in range(n_groups)]
+    for entry in spec.entries:
+        group_keys[entry.group].append(entry.key_id)
+    orders: list[list[int]] = [[] for _ in spec.in_widths]
+    n_skipped = 0
+    for key_id, (input_index, _, _) in enumerate(spec.key_segments):
+        users = spec.key_entries[key_id]
+        if users:
+            orders[input_index].append(users[0])
+        else:
+            orders[input_index].append(len(spec.entries) + n_skipped)
+            n_skipped += 1
+    meta += [*counts, *(length for _, _, length in spec.key_segments)]
+    for keys in group_keys:
+        meta += [len(keys), *keys]
+    for order in orders:
+        meta += order
     return tensors, meta
 
 
@@ -126,16 +149,29 @@ class TorchMeta:
     bwd: tuple[
         tuple[tuple[int, int, int, int], ...], ...
     ]  # per input: (round, group, dst slot, src slot or -1)
+    # Split + cat path (CPU):
+    key_lengths: tuple[tuple[int, ...], ...]  # per input, in key order
+    group_keys: tuple[tuple[int, ...], ...]  # per group: global key ids (input-major), in output order
+    entry_lengths: tuple[tuple[int, ...], ...]  # per group: widths of its entries
+    input_order: tuple[tuple[int, ...], ...]  # per input: gradient piece per key (entry, or zero piece)
+    skipped_lengths: tuple[int, ...]  # widths of the zero pieces (keys in no group)
 
 
 _TORCH_META_CACHE: dict[tuple[int, ...], TorchMeta] = {}
+# Eager calls pass the plan's own meta tuple every time: look it up by identity, not by hashing it.
+_TORCH_META_BY_ID: dict[int, tuple[Sequence[int], TorchMeta]] = {}
 
 
 def decode_torch_meta(meta: Sequence[int], n_groups: int) -> TorchMeta:
-    """Parse a torch plan's ``meta`` (memoised: plans are few and their meta small)."""
+    """Parse a torch plan's ``meta`` (memoised: plans are few)."""
+    hit = _TORCH_META_BY_ID.get(id(meta))
+    if hit is not None and hit[0] is meta:
+        return hit[1]
     key = (n_groups, *meta)
     cached = _TORCH_META_CACHE.get(key)
     if cached is not None:
+        if isinstance(meta, tuple) and len(_TORCH_META_BY_ID) < 1024:
+            _TORCH_META_BY_ID[id(meta)] = (meta, cached)
         return cached
     unit, acc_fp32, n_in = meta[0], meta[1], meta[2]
     zero_init = tuple(bool(z) for z in meta[3 : 3 + n_in])
@@ -154,15 +190,39 @@ def decode_torch_meta(meta: Sequence[int], n_groups: int) -> TorchMeta:
         input_index, occurrence, group, dst, src = meta[pos : pos + 5]
         bwd[input_index].append((occurrence, group, dst, src))
         pos += 5
+    counts = meta[pos : pos + n_in]
+    pos += n_in
+    key_lengths = []
+    for count in counts:
+        key_lengths.append(tuple(meta[pos : pos + count]))
+        pos += count
+    all_lengths = [length for lengths in key_lengths for length in lengths]
+    group_keys = []
+    for _ in range(n_groups):
+        count = meta[pos]
+        group_keys.append(tuple(meta[pos + 1 : pos + 1 + count]))
+        pos += 1 + count
+    input_order = []
+    for count in counts:
+        input_order.append(tuple(meta[pos : pos + count]))
+        pos += count
+    used = {key for keys in group_keys for key in keys}
     decoded = TorchMeta(
         unit=unit,
         acc_fp32=bool(acc_fp32),
         zero_init=zero_init,
         fwd=tuple(tuple(p) for p in fwd),
         bwd=tuple(tuple(p) for p in bwd),
+        key_lengths=tuple(key_lengths),
+        group_keys=tuple(group_keys),
+        entry_lengths=tuple(tuple(all_lengths[k] for k in keys) for keys in group_keys),
+        input_order=tuple(input_order),
+        skipped_lengths=tuple(all_lengths[k] for k in range(len(all_lengths)) if k not in used),
     )
     if len(_TORCH_META_CACHE) < 1024:
         _TORCH_META_CACHE[key] = decoded
+    if isinstance(meta, tuple) and len(_TORCH_META_BY_ID) < 1024:
+        _TORCH_META_BY_ID[id(meta)] = (meta, decoded)
     return decoded
 
 

@@ -5,6 +5,11 @@ Every key's width is a multiple of ``unit`` (the gcd of the key lengths), so val
 contiguous copies of ``unit`` elements, no per-key Python loop. ``key_dim == 1``: ``outer = B``,
 ``inner = 1``; ``key_dim == 0``: ``outer = 1``, ``inner = B``.
 
+On CPU, where the copies themselves dominate, the forward (and the first-occurrence part of the
+backward) is instead one ``torch.cat`` per output over views from one ``torch.split`` per input: a
+single memory pass even when a group mixes inputs; the views are picked with a precomputed
+``operator.itemgetter`` (C-level, no per-key Python loop).
+
 The backward writes each input block with ``index_copy_`` from the first occurrence of its key and then
 adds later occurrences round by round (each round touches distinct blocks): no atomics, the same bits on
 every run, and skipped keys exactly 0.
@@ -12,11 +17,16 @@ every run, and skipped keys exactly 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from kt_regroup._plan import decode_torch_meta
+from kt_regroup._plan import TorchMeta, decode_torch_meta
+
+# The split + cat path runs on these device types (tests turn it off to cover the index path on CPU).
+CAT_DEVICES = {"cpu"}
 
 __all__ = ["torch_backward", "torch_forward"]
 
@@ -40,6 +50,43 @@ def _empty_blocks(
     return make(shape, dtype=dtype, device=like.device)
 
 
+_GETTERS: dict[tuple[int, ...], Callable[[Any], tuple[Any, ...]]] = {}
+
+
+def _getter(indices: tuple[int, ...]) -> Callable[[Any], tuple[Any, ...]]:
+    """``operator.itemgetter`` that always returns a tuple (memoised per index tuple)."""
+    getter = _GETTERS.get(indices)
+    if getter is None:
+        if len(indices) == 1:
+            single = operator.itemgetter(indices[0])
+
+            def getter(items: Any, single: Any = single) -> tuple[Any, ...]:
+                return (single(items),)
+
+        else:
+            getter = operator.itemgetter(*indices)
+        if len(_GETTERS) < 4096:
+            _GETTERS[indices] = getter
+    return getter
+
+
+def _cat(pieces: tuple[torch.Tensor, ...], like: torch.Tensor, key_dim: int, batch: int) -> torch.Tensor:
+    if not pieces:
+        return like.new_empty((batch, 0) if key_dim == 1 else (0, batch))
+    return torch.cat(pieces, dim=key_dim)
+
+
+def _cat_forward(
+    values: Sequence[torch.Tensor], decoded: TorchMeta, key_dim: int, batch: int
+) -> list[torch.Tensor]:
+    pieces: list[torch.Tensor] = []
+    for value, lengths in zip(values, decoded.key_lengths, strict=True):
+        pieces.extend(torch.split(value, list(lengths), dim=key_dim))
+    return [
+        _cat(_getter(keys)(pieces) if keys else (), values[0], key_dim, batch) for keys in decoded.group_keys
+    ]
+
+
 def torch_forward(
     values: Sequence[torch.Tensor],
     plan: Sequence[torch.Tensor],
@@ -51,6 +98,8 @@ def torch_forward(
     decoded = decode_torch_meta(meta, len(out_lengths))
     unit = decoded.unit
     batch = values[0].size(1 - key_dim)
+    if values[0].device.type in CAT_DEVICES:
+        return _cat_forward(values, decoded, key_dim, batch)
     views = [_block_view(v, key_dim, unit) for v in values]
     outputs = []
     for group, width in enumerate(out_lengths):
@@ -80,12 +129,28 @@ def torch_backward(
     acc = torch.float32 if decoded.acc_fp32 else dtype
     batch = grads[0].size(1 - key_dim)
     views = [_block_view(g, key_dim, unit) for g in grads]
+    first_by_cat = grads[0].device.type in CAT_DEVICES
+    if first_by_cat:
+        pieces: list[torch.Tensor] = []
+        for grad, lengths in zip(grads, decoded.entry_lengths, strict=True):
+            pieces.extend(torch.split(grad, list(lengths), dim=key_dim))
+        if decoded.skipped_lengths:
+            width = sum(decoded.skipped_lengths)
+            zeros = grads[0].new_zeros((batch, width) if key_dim == 1 else (width, batch))
+            pieces.extend(torch.split(zeros, list(decoded.skipped_lengths), dim=key_dim))
     results = []
     for input_index, width in enumerate(in_lengths):
-        blocks = _empty_blocks(
-            grads[0], key_dim, width, unit, batch, acc, zero=decoded.zero_init[input_index]
-        )
+        if first_by_cat:
+            order = decoded.input_order[input_index]
+            first = _cat(_getter(order)(pieces) if order else (), grads[0], key_dim, batch)
+            blocks = _block_view(first.to(acc), key_dim, unit)
+        else:
+            blocks = _empty_blocks(
+                grads[0], key_dim, width, unit, batch, acc, zero=decoded.zero_init[input_index]
+            )
         for occurrence, group, dst, src in decoded.bwd[input_index]:
+            if first_by_cat and occurrence == 0:
+                continue
             source = views[group] if src < 0 else torch.index_select(views[group], 1, plan[src])
             if source.dtype != acc:
                 source = source.to(acc)

@@ -166,8 +166,14 @@ def _impls(
     return impls
 
 
-def _measure(fn: Callable[[], None], device: torch.device) -> tuple[float, float | None, int | None]:
-    """Host ms, GPU ms (CUDA events) and peak GPU bytes of one call."""
+def _measure(
+    fn: Callable[[], None], device: torch.device, inner: int = 1
+) -> tuple[float, float | None, int | None]:
+    """Host ms, GPU ms (CUDA events) and peak GPU bytes per call, over ``inner`` back-to-back calls.
+
+    With ``inner > 1`` the host enqueues the next call while the device runs the last one, so the GPU
+    time is the device's time per call whenever the host keeps up (as in a training loop).
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -176,14 +182,16 @@ def _measure(fn: Callable[[], None], device: torch.device) -> tuple[float, float
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # untyped in torch
         t0 = time.perf_counter()
         start.record()
-        fn()
+        for _ in range(inner):
+            fn()
         end.record()
-        host = (time.perf_counter() - t0) * 1e3
+        host = (time.perf_counter() - t0) * 1e3 / inner
         torch.cuda.synchronize(device)
-        return host, start.elapsed_time(end), torch.cuda.max_memory_allocated(device) - base
+        return host, start.elapsed_time(end) / inner, torch.cuda.max_memory_allocated(device) - base
     t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3, None, None
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / inner, None, None
 
 
 def _with_backward(
@@ -207,7 +215,7 @@ def _no_grad(impl: Callable[[], list[torch.Tensor]]) -> Callable[[], None]:
     return call
 
 
-def _copy_bandwidth(nbytes: int, device: torch.device, reps: int) -> float:
+def _copy_bandwidth(nbytes: int, device: torch.device, reps: int, inner: int) -> float:
     """Bytes per ms (read + written) of a device copy of ``nbytes / 2`` bytes."""
     src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -217,7 +225,7 @@ def _copy_bandwidth(nbytes: int, device: torch.device, reps: int) -> float:
 
     times = []
     for _ in range(reps + 2):
-        host, gpu, _ = _measure(copy, device)
+        host, gpu, _ = _measure(copy, device, inner)
         times.append(gpu if gpu is not None else host)
     return 2 * src.numel() / statistics.median(times[2:])
 
@@ -242,9 +250,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--inner",
+        type=int,
+        default=None,
+        help="back-to-back calls per timed sample (default 10 on CUDA, 1 on CPU); times are per call",
+    )
     parser.add_argument("--only", nargs="*", default=[], help="substrings of the implementations to run")
     parser.add_argument("--cases", nargs="*", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for CPU runs")
     parser.add_argument("--quick", action="store_true", help="small shape, few repetitions")
     parser.add_argument("--json", type=str, default=None, help="write the results here")
     parser.add_argument("--plot", type=str, default=None, help="write a PNG bar chart here")
@@ -255,6 +270,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         args.reps, args.warmup = min(args.reps, 3), 1
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.inner is None:
+        args.inner = 10 if device.type == "cuda" else 1
 
     rows: list[dict[str, Any]] = []
     copy_bw = None
@@ -264,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         impls = _impls(setup, device, args.only)
         nbytes = setup.bytes_fwd if not grad else setup.bytes_fwd + setup.bytes_bwd
         if device.type == "cuda" and copy_bw is None:
-            copy_bw = _copy_bandwidth(setup.bytes_fwd, device, args.reps)
+            copy_bw = _copy_bandwidth(setup.bytes_fwd, device, args.reps, args.inner)
         samples: dict[str, list[tuple[float, float | None, int | None]]] = {name: [] for name in impls}
         grads_out: list[torch.Tensor] | None = None
         calls: dict[str, Callable[[], None]] = {}
@@ -277,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 call()
         for _ in range(args.reps):  # interleaved: one call of every implementation per repetition
             for name, call in calls.items():
-                samples[name].append(_measure(call, device))
+                samples[name].append(_measure(call, device, args.inner))
         for name, got in samples.items():
             host = [h for h, _, _ in got]
             gpu = [g for _, g, _ in got if g is not None]
@@ -332,7 +351,7 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.d
     print(
         f"kt_regroup.bench  B={args.batch}  {args.dense_keys}x{args.dense_dim} dense + "
         f"{args.sparse_keys}x{args.sparse_dim} sparse keys, {args.groups} groups, dup={args.duplicates}, "
-        f"skips={args.skips}, {args.dtype} on {device}, {args.reps} reps"
+        f"skips={args.skips}, {args.dtype} on {device}, {args.reps} reps x {args.inner} calls"
     )
     header = f"{'case':8} {'impl':42} {'host ms':>10} {'GPU ms':>9} {'peak MB':>9} {'BW frac':>8}"
     print(header)
