@@ -71,13 +71,32 @@ def run_ranks(
     *args: Any,
     backend: str = "gloo",
     timeout_s: float = 150.0,
-    pg_timeout_s: float = 60.0,
+    pg_timeout_s: float = 120.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return each rank's result.
+
+    A port taken by another process between :func:`free_port` and the store's bind is retried once
+    with a new port.
 
     Raises:
         AssertionError: a rank raised (its traceback is in the message) or the run exceeded ``timeout_s``.
     """
+    try:
+        return _run_once(fn, world_size, args, backend, timeout_s, pg_timeout_s)
+    except AssertionError as err:
+        if "address already in use" not in str(err).lower():
+            raise
+    return _run_once(fn, world_size, args, backend, timeout_s, pg_timeout_s)
+
+
+def _run_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    backend: str,
+    timeout_s: float,
+    pg_timeout_s: float,
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
