@@ -128,7 +128,10 @@ def section(path: Path, data: dict[str, Any], docs: Path) -> str:
     ]
     headers = ["case", "impl", "median ms", "p10–p90 ms", "peak mem MiB", *extras]
     lines.append("| " + " | ".join(headers) + " |")
-    lines.append("| " + " | ".join("---" if i < 2 else "---:" for i in range(len(headers))) + " |")
+    numeric = [False, False, True, True, True] + [
+        all(isinstance(r.get(k), (int, float)) for r in results if r.get(k) is not None) for k in extras
+    ]
+    lines.append("| " + " | ".join("---:" if n else "---" for n in numeric) + " |")
     for row in results:
         spread = (
             f"{_number(row.get('p10_ms'))}–{_number(row.get('p90_ms'))}"
