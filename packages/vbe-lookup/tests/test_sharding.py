@@ -305,7 +305,9 @@ def test_three_ranks_gloo_equal_unsharded_reference_and_resume_2_on_3() -> None:
 @pytest.mark.distributed
 def test_two_gpus_nccl_equal_unsharded_reference() -> None:
     """2 GPUs over NCCL: the 2-rank equivalence and error checks (run with NCCL_NVLS_ENABLE=0)."""
-    if torch.cuda.device_count() < 2 and os.environ.get("REQUIRE_GPU") != "1":
+    if torch.cuda.device_count() < 2:
+        if os.environ.get("REQUIRE_GPU") == "1":
+            pytest.fail(f"needs 2 CUDA devices, found {torch.cuda.device_count()} (REQUIRE_GPU=1)")
         pytest.skip("needs 2 CUDA devices")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     reports = _dist_harness.run_ranks(_dist_workers.nccl_two_ranks, 2, backend="nccl", timeout_s=300)

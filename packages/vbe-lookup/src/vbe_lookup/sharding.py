@@ -290,6 +290,14 @@ class _ShardedModule(nn.Module):
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)  # type: ignore[no-untyped-call]  # untyped in torch
 
     # ------------------------------------------------------------------ description
+    def extra_repr(self) -> str:
+        shards = sum(len(s.table_names) for s in self._specs)
+        return (
+            f"rank={self.rank}/{self.world_size}, tables={len(self.layout.tables)}, "
+            f"features={len(self.layout.features)}, local_shards={shards}, "
+            f"kernel_groups={[s.group for s in self._specs]}, output_dtype={self.output_dtype}"
+        )
+
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The group the module is sharded over."""
