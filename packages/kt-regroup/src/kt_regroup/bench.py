@@ -365,6 +365,7 @@ def _print(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.d
 
 def _plot(rows: list[dict[str, Any]], path: str, device: torch.device) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -381,6 +382,7 @@ def _plot(rows: list[dict[str, Any]], path: str, device: torch.device) -> None:
         ]
         ax.barh(names, medians, xerr=errors, color="tab:blue")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("median ms (log scale)")
         ax.set_title(f"{case} on {device.type}")
         ax.invert_yaxis()
