@@ -178,3 +178,16 @@ def test_fbgemm_preallocated_step_has_no_host_sync() -> None:
     with no_host_sync():
         out = lookup(features).values()
         torch.autograd.backward(out, torch.ones_like(out))
+
+
+def test_always_checked_ids_on_cuda_raise_before_kernels() -> None:
+    """`check_indices="always"` reports a bad id on CUDA as an IndexOutOfRangeError (not a device assert)."""
+    from vbe_lookup.errors import IndexOutOfRangeError
+
+    kernel = TorchEmbeddingKernel([10, 20], [4, 8], device="cuda")
+    lookup = GroupedVBELookup([KernelGroup(kernel, ["a", "b"], [4, 8])], check_indices="always")
+    features = VBEFeatures(
+        ["a", "b"], torch.tensor([1, 25], device="cuda"), torch.tensor([1, 1], device="cuda"), [[1], [1]]
+    )
+    with pytest.raises(IndexOutOfRangeError, match="= 25 is out of range for feature `b`"):
+        lookup(features)

@@ -141,7 +141,7 @@ def input_features(case: Case, step: int) -> VBEFeatures:
     )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_grouped_equals_single_kernel_and_reference(case: Case) -> None:
     """Forward output and weights after two fused-optimizer steps agree for grouped, single and reference."""

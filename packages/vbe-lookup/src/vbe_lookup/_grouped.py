@@ -482,12 +482,14 @@ class GroupedVBELookup(nn.Module):
                 f"`offsets` has {offsets.numel()} entries; expected len(lengths) + 1 = {lengths.numel() + 1}"
             )
         bad_lengths = (lengths < 0).any() | (offsets[-1] != nnz)
-        counts_ok = ~bad_lengths
-        # Feature of every id (valid only when the lengths add up; guarded below).
-        safe_lengths = torch.where(counts_ok, lengths, torch.zeros_like(lengths)).to(torch.long)
-        feature_of_id = torch.repeat_interleave(layout.feature_of_bag, safe_lengths)
-        if feature_of_id.numel() == nnz:
-            rows = layout.rows_of_feature[feature_of_id]
+        # Feature of every id by binary search of its position in the offsets: fixed shapes, no sync,
+        # and harmless when the lengths are wrong (that case is reported first).
+        positions = torch.arange(nnz, device=values.device, dtype=offsets.dtype)
+        bag = torch.searchsorted(offsets, positions, right=True) - 1
+        bag = bag.clamp(0, max(lengths.numel() - 1, 0))
+        if lengths.numel():
+            feature_of_id = layout.feature_of_bag.index_select(0, bag)
+            rows = layout.rows_of_feature.index_select(0, feature_of_id)
             bad_ids = ((values < 0) | (values.to(torch.long) >= rows)).any()
         else:
             bad_ids = torch.zeros((), dtype=torch.bool, device=values.device)
@@ -499,7 +501,6 @@ class GroupedVBELookup(nn.Module):
                 "described by `stride_per_key_per_rank` and `lengths` must cover `values` exactly"
             )
         if flags[1]:
-            rows = layout.rows_of_feature[feature_of_id]
             bad = ((values < 0) | (values.to(torch.long) >= rows)).nonzero()
             i = int(bad[0, 0])
             f = int(feature_of_id[i])
