@@ -34,6 +34,7 @@ from _dist_workers import (
 )
 
 from vbe_lookup._sharding_plan import ShardingLayout
+from vbe_lookup.errors import BatchLayoutError
 from vbe_lookup.sharding import (
     PooledEmbeddings,
     RowWise,
@@ -233,6 +234,18 @@ def test_single_rank_rejects_unknown_feature(one_rank: None) -> None:
     batch = _dist_workers.LocalBatch(["zz", *batch.keys[1:]], batch.values, batch.lengths, None, 2)
     with pytest.raises(UnknownFeatureError, match=r"`zz`.*known features: f0"):
         m(batch.features(torch.device("cpu")))
+
+
+def test_single_rank_rejects_lengths_that_do_not_cover_values(one_rank: None) -> None:
+    """Lengths summing to more ids than `values` holds raise BatchLayoutError, and the module recovers."""
+    del one_rank
+    m = ShardedEmbeddingBags(TABLES, ShardingPlan.table_wise(TABLES, 1))
+    batch = make_batches(0, [2], False)[0]
+    cpu = torch.device("cpu")
+    broken = _dist_workers.LocalBatch(batch.keys, batch.values[:-1], batch.lengths, None, 2)
+    with pytest.raises(BatchLayoutError, match="`lengths`"):
+        m(broken.features(cpu))
+    assert m(batch.features(cpu)).values().shape[0] == 2
 
 
 def test_single_rank_pipelined_input_is_fifo(one_rank: None) -> None:

@@ -228,10 +228,9 @@ class InputDist:
         bad_ids = ((values < 0) | (values >= self._rows[g])).any()
         bad_lengths = (ends[-1] != n) if bags else torch.tensor(n != 0, device=dev)
         bad_lengths = bad_lengths | (lengths < 0).any()
-        status = torch.where(
-            bad_lengths,
-            torch.tensor(_BAD_LENGTHS, device=dev),
-            torch.where(bad_ids, torch.tensor(_BAD_IDS, device=dev), torch.tensor(_OK, device=dev)),
+        # Device-side status (no host sync, no host-to-device copy): bad lengths win over bad ids.
+        status = (
+            bad_lengths.to(torch.int64) * _BAD_LENGTHS + (bad_ids & ~bad_lengths).to(torch.int64) * _BAD_IDS
         )
         header = torch.empty((world, self.header_size), dtype=torch.int64, device=dev)
         header[:, 0] = status
