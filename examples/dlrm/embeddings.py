@@ -113,6 +113,7 @@ class ShardedTables:
     ) -> None:
         self.config = config
         self.rank = rank
+        self.world_size = world_size
         self.tables = tables
         self.plan = plan
         self.device = device

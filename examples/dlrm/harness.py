@@ -71,12 +71,29 @@ def run_world(
 ) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each on its own process.
 
-    ``fn`` must be importable by module name (spawned processes unpickle it).
+    ``fn`` must be importable by module name (spawned processes unpickle it). A world whose rendezvous port
+    was taken by another process in the meantime is started again on a new port (up to 3 times).
 
     Raises:
         RuntimeError: a rank raised (the message holds its traceback).
         TimeoutError: the world did not finish within ``timeout_s`` (its processes are killed).
     """
+    for attempt in range(3):
+        try:
+            return _run_world_once(fn, world_size, args, timeout_s, collective_timeout_s)
+        except RuntimeError as exc:  # noqa: PERF203 (a retry loop: the exception is the point)
+            if attempt == 2 or "address already in use" not in str(exc).lower():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_world_once(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any],
+    timeout_s: float,
+    collective_timeout_s: float,
+) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="dlrm-world-") as results:
         context = start_processes(  # type: ignore[no-untyped-call]  # unannotated in torch
             _entry,

@@ -225,6 +225,7 @@ def save_checkpoint(
     folder = _checkpoint_dir(out)
     folder.mkdir(parents=True, exist_ok=True)
     state = {
+        "world_size": tables.world_size,
         "step": step,
         "dense": model.dense_state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -244,6 +245,12 @@ def load_checkpoint(
     if not path.is_file():
         raise FileNotFoundError(f"`--resume` given but {path} does not exist")
     state = torch.load(path, map_location="cpu", weights_only=False)
+    saved_world = int(state.get("world_size", tables.world_size))
+    if saved_world != tables.world_size:
+        raise ValueError(
+            f"checkpoint {path} was written by {saved_world} ranks, this run has {tables.world_size}; "
+            "`--resume` needs the same number of ranks"
+        )
     model.load_dense_state_dict(state["dense"])
     optimizer.load_state_dict(state["optimizer"])
     tables.load_local_state(state["embeddings"])
