@@ -6,9 +6,53 @@ under its lock.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-__all__ = ["TableCache"]
+__all__ = ["TableCache", "copy_rows", "select_rows"]
+
+# Row copies move raw bits: torch's CPU index kernels are several times faster on integer than on
+# float or uint8 elements (measured with torch 2.13, one thread).
+_BITS = {
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float64: torch.int64,
+}
+
+
+def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    bits = _BITS.get(tensor.dtype)
+    if bits is not None:
+        return tensor.view(bits)
+    if (
+        tensor.dtype == torch.uint8
+        and tensor.dim() == 2
+        and tensor.shape[1] % 4 == 0
+        and tensor.is_contiguous()
+    ):
+        return tensor.view(torch.int32)
+    return tensor
+
+
+def select_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``source.index_select(0, index)`` for 2-D ``source``, copying bits (same result, faster)."""
+    if source.device.type != "cpu":
+        return source.index_select(0, index)
+    return _as_bits(source).index_select(0, index).view(source.dtype)
+
+
+def copy_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.index_copy_(0, index, source)`` for 2-D tensors of one dtype, copying bits."""
+    if target.device.type != "cpu" or not source.is_contiguous():
+        target.index_copy_(0, index, source)
+        return
+    target_bits, source_bits = _as_bits(target), _as_bits(source)
+    if target_bits.dtype != source_bits.dtype:
+        target.index_copy_(0, index, source)
+        return
+    target_bits.index_copy_(0, index, source_bits)
+
 
 _NEVER = torch.iinfo(torch.int64).max
 
@@ -46,13 +90,15 @@ class TableCache:
         n = self.sorted_ids.numel()
         if n == 0 or ids.numel() == 0:
             return torch.full_like(ids, -1)
-        position = torch.searchsorted(self.sorted_ids, ids).clamp_(max=n - 1)
-        hit = self.sorted_ids[position] == ids
-        return torch.where(hit, self.sorted_slots[position], -1)
+        # numpy's searchsorted is much faster than torch's on the (usually ascending) query ids.
+        sorted_ids = self.sorted_ids.numpy()
+        position = torch.from_numpy(np.searchsorted(sorted_ids, ids.numpy()).clip(max=n - 1))
+        hit = self.sorted_ids.index_select(0, position) == ids
+        return torch.where(hit, self.sorted_slots.index_select(0, position), -1)
 
     def touch(self, slots: torch.Tensor, tick: int) -> None:
         """Mark ``slots`` (``[K]`` int64 host, all valid) used at ``tick``."""
-        self.last_used[slots] = tick
+        self.last_used.index_fill_(0, slots, tick)
 
     def choose_victims(self, count: int, tick: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to ``count`` slots for new rows: free slots first, then the least recently used valid slots
@@ -99,13 +145,14 @@ class TableCache:
         """
         if slots.numel() == 0:
             return
-        device_slots = slots.to(self.device)
-        self.weights[device_slots] = weights.to(self.device, self.weights.dtype)
-        self.state[device_slots] = state.to(self.device)
-        self.slot_ids[slots] = ids
-        self.valid[slots] = True
-        self.dirty[slots] = False
-        self.last_used[slots] = tick
+        device_slots = slots.to(self.device, non_blocking=True)
+        copy_rows(self.weights, device_slots, weights.to(self.device, self.weights.dtype).contiguous())
+        if self.state.shape[1]:
+            copy_rows(self.state, device_slots, state.to(self.device).contiguous())
+        self.slot_ids.index_copy_(0, slots, ids)
+        self.valid.index_fill_(0, slots, True)
+        self.dirty.index_fill_(0, slots, False)
+        self.last_used.index_fill_(0, slots, tick)
         self._rebuild()
 
     def clear(self) -> None:
@@ -116,6 +163,7 @@ class TableCache:
 
     def _rebuild(self) -> None:
         slots = self.valid.nonzero().flatten()
-        ids = self.slot_ids[slots]
-        self.sorted_ids, order = torch.sort(ids)
-        self.sorted_slots = slots[order]
+        ids = self.slot_ids.index_select(0, slots)
+        order = torch.from_numpy(np.argsort(ids.numpy()))
+        self.sorted_ids = ids.index_select(0, order)
+        self.sorted_slots = slots.index_select(0, order)

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssd_tbe_adapter._cache import TableCache
+from ssd_tbe_adapter._cache import TableCache, copy_rows, select_rows
 from ssd_tbe_adapter._init import init_rows, table_salt
 from ssd_tbe_adapter.errors import SSDTBEAdapterError
 from ssd_tbe_adapter.interfaces import KVStore
@@ -114,10 +115,19 @@ class _Metrics:
 
 @dataclass(slots=True)
 class _TableGroup:
-    """The unique ids of one table in one batch and, per feature of the table, its lookups into them."""
+    """The unique ids of one table in one batch and, per feature of the table, its lookups into them.
+
+    Also the transpose of the lookups for backward (all host, built once per batch, on the prefetch
+    thread when there is a prefetch): the table's lookups sorted by unique row (``order``), the bag of
+    each of them, numbered over the table's features in feature order (``sorted_bags``), and the CSR
+    offsets of each unique row's lookups (``row_offsets``), so a row gradient is one ``embedding_bag``.
+    """
 
     unique: torch.Tensor  # [U] int64 host, ascending
     inverse: list[torch.Tensor]  # per feature of the table: [N_f] int64 host, positions in `unique`
+    order: torch.Tensor  # [N_t] int64 host: lookups of the table (features concatenated) by unique row
+    sorted_bags: torch.Tensor  # [N_t] int64 host: bag (over the table's features) of each sorted lookup
+    row_offsets: torch.Tensor  # [U + 1] int64 host: lookups of unique row u are order[ro[u]:ro[u+1]]
 
 
 @dataclass(slots=True)
@@ -744,18 +754,48 @@ class KeyValueEmbeddingBags(nn.Module):
         return plan, indices_cpu
 
     def _group(self, plan: _Plan, indices_cpu: torch.Tensor) -> dict[int, _TableGroup]:
-        """Per table: unique ids of the batch and each feature's lookups into them (host)."""
-        per_table: dict[int, list[torch.Tensor]] = {}
+        """Per table: unique ids of the batch, each feature's lookups into them, and their transpose (host)."""
+        per_table: dict[int, list[int]] = {}
         for feature, table in enumerate(self._feature_table_map):
-            lo = int(plan.offsets[plan.bag_start[feature]])
-            hi = int(plan.offsets[plan.bag_start[feature] + plan.num_bags[feature]])
-            per_table.setdefault(table, []).append(indices_cpu[lo:hi])
+            per_table.setdefault(table, []).append(feature)
         groups: dict[int, _TableGroup] = {}
-        for table, parts in per_table.items():
+        for table, features in per_table.items():
+            parts: list[torch.Tensor] = []
+            bag_parts: list[torch.Tensor] = []
+            base = 0
+            for feature in features:
+                first, bags = plan.bag_start[feature], plan.num_bags[feature]
+                bag_offsets = plan.offsets[first : first + bags + 1]
+                lo, hi = int(bag_offsets[0]), int(bag_offsets[-1])
+                parts.append(indices_cpu[lo:hi])
+                bag_parts.append(
+                    torch.repeat_interleave(
+                        torch.arange(base, base + bags, dtype=torch.int64),
+                        bag_offsets[1:] - bag_offsets[:-1],
+                        output_size=hi - lo,
+                    )
+                )
+                base += bags
             ids = parts[0] if len(parts) == 1 else torch.cat(parts)
-            unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+            lookup_bags = bag_parts[0] if len(bag_parts) == 1 else torch.cat(bag_parts)
+            # One sort gives the unique ids, the inverse and the transpose together.
+            # numpy's sort is several times faster than torch's on the CPU. The order within one id does not
+            # matter (it only orders the terms of that row's gradient sum).
+            order = torch.from_numpy(np.argsort(ids.numpy()))
+            sorted_ids = ids.index_select(0, order)
+            unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+            inverse = torch.empty_like(ids)
+            inverse[order] = torch.repeat_interleave(
+                torch.arange(unique.numel(), dtype=torch.int64), counts, output_size=ids.numel()
+            )
+            row_offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=row_offsets[1:])
             groups[table] = _TableGroup(
-                unique=unique, inverse=list(inverse.split([p.numel() for p in parts]))
+                unique=unique,
+                inverse=list(inverse.split_with_sizes([p.numel() for p in parts])),
+                order=order,
+                sorted_bags=lookup_bags[order],
+                row_offsets=row_offsets,
             )
         return groups
 
@@ -860,46 +900,71 @@ class KeyValueEmbeddingBags(nn.Module):
         per_sample_weights: torch.Tensor | None,
         grad_output: torch.Tensor,
     ) -> torch.Tensor | None:
-        grads = {table: torch.zeros_like(r) for table, r in rows.items()}
         want_psw = per_sample_weights is not None and per_sample_weights.requires_grad
         grad_psw = (
             torch.zeros_like(per_sample_weights) if per_sample_weights is not None and want_psw else None
         )
         offsets_device = plan.offsets.to(self._device, non_blocking=True)
         flat = grad_output.view(-1)
+        # Per table, in feature order: the gradient of each bag ([bags_f, D]) and the weight of each lookup.
+        sources: dict[int, list[torch.Tensor]] = {}
+        weights: dict[int, list[torch.Tensor]] = {}
         column = 0
         for feature, table in enumerate(self._feature_table_map):
             dim = self._dims[table]
             bags = plan.num_bags[feature]
-            if bags:
-                if plan.vbe:
-                    grad_bags = torch.cat(
-                        [
-                            flat[start : start + count * dim].view(count, dim)
-                            for _, count, start in plan.blocks[feature]
-                        ]
-                    )
+            start = plan.bag_start[feature]
+            if plan.vbe:
+                blocks = [
+                    flat[at : at + count * dim].view(count, dim)
+                    for _, count, at in plan.blocks[feature]
+                    if count
+                ]
+                if not blocks:
+                    grad_bags = flat.new_zeros(0, dim)
                 else:
-                    grad_bags = grad_output[:, column : column + dim]
-                start = plan.bag_start[feature]
-                bag_offsets = offsets_device[start : start + bags + 1]
-                lengths = bag_offsets[1:] - bag_offsets[:-1]
-                if self.pooling == "mean":
-                    grad_bags = grad_bags / lengths.clamp(min=1).to(torch.float32)[:, None]
-                lookups = indices_device[feature]
-                bag_of_lookup = torch.repeat_interleave(
-                    torch.arange(bags, device=self._device), lengths, output_size=lookups.numel()
-                )
-                grad_lookups = grad_bags[bag_of_lookup]
-                if per_sample_weights is not None:
-                    lo, hi = int(plan.offsets[start]), int(plan.offsets[start + bags])
-                    if grad_psw is not None:
-                        grad_psw[lo:hi] = (grad_lookups * rows[table][lookups]).sum(1)
-                    grad_lookups = grad_lookups * per_sample_weights[lo:hi, None]
-                grads[table].index_add_(0, lookups, grad_lookups)
+                    grad_bags = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+            else:
+                grad_bags = grad_output[:, column : column + dim]
             column += dim
+            bag_offsets = offsets_device[start : start + bags + 1]
+            lengths = bag_offsets[1:] - bag_offsets[:-1]
+            if self.pooling == "mean" and bags:
+                grad_bags = grad_bags / lengths.clamp(min=1).to(torch.float32)[:, None]
+            sources.setdefault(table, []).append(grad_bags)
+            if per_sample_weights is not None:
+                lo, hi = int(plan.offsets[start]), int(plan.offsets[start + bags])
+                weights.setdefault(table, []).append(per_sample_weights[lo:hi])
+                if grad_psw is not None and bags:
+                    lookups = indices_device[feature]
+                    bag_of_lookup = torch.repeat_interleave(
+                        torch.arange(bags, device=self._device), lengths, output_size=lookups.numel()
+                    )
+                    grad_psw[lo:hi] = (grad_bags[bag_of_lookup] * rows[table][lookups]).sum(1)
         for table, group in plan.groups.items():
-            self._apply_update(table, group.unique, grads[table])
+            parts = sources[table]
+            source = (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
+            psw_sorted = None
+            if per_sample_weights is not None:
+                psw_parts = weights[table]
+                psw_table = psw_parts[0] if len(psw_parts) == 1 else torch.cat(psw_parts)
+                psw_sorted = psw_table.detach().index_select(
+                    0, group.order.to(self._device, non_blocking=True)
+                )
+            if group.unique.numel():
+                # Row gradient = sum over the row's lookups of (weight x its bag's gradient): the transpose
+                # of the forward as one embedding_bag over the bag gradients.
+                grad_rows = F.embedding_bag(
+                    group.sorted_bags.to(self._device, non_blocking=True),
+                    source,
+                    group.row_offsets.to(self._device, non_blocking=True),
+                    mode="sum",
+                    per_sample_weights=psw_sorted,
+                    include_last_offset=True,
+                )
+            else:
+                grad_rows = source.new_zeros(0, source.shape[1])
+            self._apply_update(table, group.unique, grad_rows)
         return grad_psw
 
     # ------------------------------------------------------------------ cache <-> store
@@ -911,27 +976,40 @@ class KeyValueEmbeddingBags(nn.Module):
     def _gather(self, table: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``[U, D]`` float32 on the device for unique ``ids``; misses are fetched (and cached if they fit)."""
         cache = self._caches[table]
-        rows = torch.empty(ids.numel(), self._dims[table], dtype=torch.float32, device=self._device)
         with self._lock:
             self._wait_insert_event()
             tick = self._next_tick()
             slots = cache.lookup(ids)
-            hit = slots >= 0
-            hit_slots = slots[hit]
+            hit_positions = (slots >= 0).nonzero().flatten()
+            hit_slots = slots.index_select(0, hit_positions)
             cache.touch(hit_slots, tick)
             n_hit = hit_slots.numel()
             self._metrics.forward_lookups += ids.numel()
             self._metrics.forward_hits += n_hit
-            if n_hit:
-                rows[hit.to(self._device)] = cache.weights[hit_slots.to(self._device)].to(torch.float32)
-            if n_hit < ids.numel():
-                missing = ~hit
-                miss_ids = ids[missing]
+            if n_hit == ids.numel():
+                rows = select_rows(cache.weights, hit_slots.to(self._device, non_blocking=True))
+                rows = rows.to(torch.float32)
+            else:
+                rows = torch.empty(ids.numel(), self._dims[table], dtype=torch.float32, device=self._device)
+                if n_hit:
+                    copy_rows(
+                        rows,
+                        hit_positions.to(self._device, non_blocking=True),
+                        select_rows(cache.weights, hit_slots.to(self._device, non_blocking=True)).to(
+                            torch.float32
+                        ),
+                    )
+                miss_positions = (slots < 0).nonzero().flatten()
+                miss_ids = ids.index_select(0, miss_positions)
                 weights, state = self._read_rows(table, miss_ids)
                 self._metrics.sync_fetched_rows += miss_ids.numel()
                 inserted = self._insert(table, miss_ids, weights, state, tick)
                 self._metrics.scratch_rows += miss_ids.numel() - inserted
-                rows[missing.to(self._device)] = weights.to(self._device, torch.float32)
+                copy_rows(
+                    rows,
+                    miss_positions.to(self._device),
+                    weights.to(self._device, torch.float32).contiguous(),
+                )
             self._record_main_event()
         return rows
 
@@ -941,24 +1019,36 @@ class KeyValueEmbeddingBags(nn.Module):
         with self._lock:
             self._wait_insert_event()
             slots = cache.lookup(ids)
-            hit = slots >= 0
-            hit_slots = slots[hit]
+            if ids.numel() and bool((slots >= 0).all()):
+                hit_positions = None
+                hit_slots = slots
+            else:
+                hit_positions = (slots >= 0).nonzero().flatten()
+                hit_slots = slots.index_select(0, hit_positions)
             if hit_slots.numel():
-                device_slots = hit_slots.to(self._device)
-                weights, state = self._step(
-                    cache.weights[device_slots].to(torch.float32),
-                    cache.state[device_slots],
-                    grads[hit.to(self._device)],
+                device_slots = hit_slots.to(self._device, non_blocking=True)
+                hit_grads = (
+                    grads
+                    if hit_positions is None
+                    else select_rows(grads, hit_positions.to(self._device, non_blocking=True))
                 )
-                cache.weights[device_slots] = weights.to(self._weight_dtype)
-                cache.state[device_slots] = state
-                cache.dirty[hit_slots] = True
+                weights, state = self._step(
+                    select_rows(cache.weights, device_slots).to(torch.float32),
+                    select_rows(cache.state, device_slots),
+                    hit_grads,
+                )
+                copy_rows(cache.weights, device_slots, weights.to(self._weight_dtype).contiguous())
+                if self._state_width:
+                    copy_rows(cache.state, device_slots, state.contiguous())
+                cache.dirty.index_fill_(0, hit_slots, True)
             if hit_slots.numel() < ids.numel():
-                missing = ~hit
-                miss_ids = ids[missing]
+                miss_positions = (slots < 0).nonzero().flatten()
+                miss_ids = ids.index_select(0, miss_positions)
                 weights, state = self._read_rows(table, miss_ids)
                 new_weights, new_state = self._step(
-                    weights.to(torch.float32), state, grads[missing.to(self._device)].to("cpu")
+                    weights.to(torch.float32),
+                    state,
+                    grads.index_select(0, miss_positions.to(self._device)).to("cpu"),
                 )
                 self._store_put(
                     table, miss_ids, self._encode(table, new_weights.to(self._weight_dtype), new_state)
@@ -969,11 +1059,13 @@ class KeyValueEmbeddingBags(nn.Module):
     def _step(
         self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step on float32 rows ``[K, D]`` with state ``[K, S]`` and gradients ``[K, D]``."""
+        """One optimizer step, in place, on float32 rows ``[K, D]`` (owned by the caller) with state
+        ``[K, S]`` and gradients ``[K, D]``; returns the updated ``(weights, state)``."""
         if self.optimizer == "sgd":
-            return weights - self.learning_rate * grads, state
-        state = state + grads.pow(2).mean(dim=1, keepdim=True)
-        return weights - (self.learning_rate / (state.sqrt() + self.eps)) * grads, state
+            return weights.add_(grads, alpha=-self.learning_rate), state
+        state = state + grads.square().mean(dim=1, keepdim=True)
+        scale = (self.learning_rate / (state.sqrt() + self.eps)).expand_as(grads)
+        return weights.sub_(scale * grads), state
 
     def _read_rows(self, table: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``ids`` from the store, initialised where absent: (``[K, D]`` weight dtype, ``[K, S]``) host."""

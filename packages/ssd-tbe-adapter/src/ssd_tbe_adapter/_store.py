@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ssd_tbe_adapter._cache import copy_rows, select_rows
 from ssd_tbe_adapter.errors import (
     StoreClosedError,
     StoreCorruptError,
@@ -73,14 +74,13 @@ def decode_ids(keys: bytes, n: int) -> torch.Tensor:
 class MemoryStore:
     """A :class:`~ssd_tbe_adapter.interfaces.KVStore` in host memory (tests, benchmarks, small tables).
 
-    Per table a dict ``id -> row number`` over a growing ``uint8`` matrix. Nothing survives the process.
+    Per table a sorted ``int64`` id array with each id's row number (``np.searchsorted`` lookups, no
+    per-id Python work) over a growing ``uint8`` row matrix. Nothing survives the process.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._index: dict[int, dict[int, int]] = {}
-        self._rows: dict[int, torch.Tensor] = {}
-        self._size: dict[int, int] = {}
+        self._tables: dict[int, _MemoryTable] = {}
         self._closed = False
 
     def _check_open(self) -> None:
@@ -94,51 +94,48 @@ class MemoryStore:
         _check_rows(out, array.shape[0], "out")
         with self._lock:
             self._check_open()
-            index = self._index.get(table)
-            if index is None or array.shape[0] == 0:
+            data = self._tables.get(table)
+            if data is None or array.shape[0] == 0 or data.size == 0:
                 return torch.zeros(array.shape[0], dtype=torch.bool)
-            positions = torch.tensor([index.get(i, -1) for i in array.tolist()], dtype=torch.int64)
-            found = positions >= 0
-            if bool(found.any()):
-                rows = self._rows[table]
-                if rows.shape[1] != out.shape[1]:
-                    raise StoreCorruptError(
-                        f"table {table} holds {rows.shape[1]}-byte rows, `out` has {out.shape[1]}-byte rows"
-                    )
-                out[found] = rows[positions[found]]
+            if data.rows.shape[1] != out.shape[1]:
+                raise StoreCorruptError(
+                    f"table {table} holds {data.rows.shape[1]}-byte rows, `out` has {out.shape[1]}-byte rows"
+                )
+            keys = data.keys[: data.size]
+            where = np.searchsorted(keys, array).clip(max=data.size - 1)
+            found_np = keys[where] == array
+            found = torch.from_numpy(found_np)
+            positions = torch.from_numpy(data.positions[where])
+            if bool(found_np.all()):
+                out.copy_(select_rows(data.rows, positions))
+            else:
+                hit = found.nonzero().flatten()
+                copy_rows(out, hit, select_rows(data.rows, positions.index_select(0, hit)))
             return found
 
     def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None:
-        """Write ``rows`` as the records of ``ids`` (see :meth:`KVStore.put`)."""
+        """Write ``rows`` as the records of ``ids`` (see :meth:`KVStore.put`); a repeated id keeps its last row."""
         _check_table(table)
         array = _check_ids(ids)
         _check_rows(rows, array.shape[0], "rows")
+        if array.shape[0] == 0:
+            return
+        # Keep the last occurrence of each id (the Protocol asks for unique ids; be exact anyway).
+        reversed_unique, first_in_reversed = np.unique(array[::-1], return_index=True)
+        if reversed_unique.shape[0] != array.shape[0]:
+            keep = array.shape[0] - 1 - first_in_reversed
+            array = array[keep]
+            rows = rows.index_select(0, torch.from_numpy(keep))
         with self._lock:
             self._check_open()
-            index = self._index.setdefault(table, {})
-            if table not in self._rows:
-                self._rows[table] = torch.empty(max(1024, array.shape[0]), rows.shape[1], dtype=torch.uint8)
-                self._size[table] = 0
-            storage = self._rows[table]
-            if storage.shape[1] != rows.shape[1]:
+            data = self._tables.get(table)
+            if data is None:
+                data = self._tables[table] = _MemoryTable(rows.shape[1], array.shape[0])
+            if data.rows.shape[1] != rows.shape[1]:
                 raise StoreCorruptError(
-                    f"table {table} holds {storage.shape[1]}-byte rows, `rows` has {rows.shape[1]}-byte rows"
+                    f"table {table} holds {data.rows.shape[1]}-byte rows, `rows` has {rows.shape[1]}-byte rows"
                 )
-            size = self._size[table]
-            positions = []
-            for i in array.tolist():
-                position = index.get(i)
-                if position is None:
-                    position = size
-                    index[i] = position
-                    size += 1
-                positions.append(position)
-            if size > storage.shape[0]:
-                grown = torch.empty(max(size, 2 * storage.shape[0]), storage.shape[1], dtype=torch.uint8)
-                grown[: self._size[table]] = storage[: self._size[table]]
-                storage = self._rows[table] = grown
-            self._size[table] = size
-            storage[torch.tensor(positions, dtype=torch.int64)] = rows
+            data.put(array, rows)
 
     def iter_chunks(self, *, table: int, chunk_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Stream the records of ``table`` in id order (see :meth:`KVStore.iter_chunks`)."""
@@ -147,24 +144,24 @@ class MemoryStore:
             raise ValueError(f"`chunk_rows` must be >= 1, got {chunk_rows}")
         with self._lock:
             self._check_open()
-            items = sorted(self._index.get(table, {}).items())
-        for start in range(0, len(items), chunk_rows):
-            part = items[start : start + chunk_rows]
-            ids = torch.tensor([i for i, _ in part], dtype=torch.int64)
-            positions = torch.tensor([p for _, p in part], dtype=torch.int64)
+            data = self._tables.get(table)
+            if data is None:
+                return
+            keys = data.keys[: data.size].copy()
+            positions = data.positions[: data.size].copy()
+        for start in range(0, keys.shape[0], chunk_rows):
+            part = torch.from_numpy(positions[start : start + chunk_rows])
             with self._lock:
                 self._check_open()
-                rows = self._rows[table][positions].clone()
-            yield ids, rows
+                chunk = select_rows(self._tables[table].rows, part)
+            yield torch.from_numpy(keys[start : start + chunk_rows].copy()), chunk
 
     def clear_table(self, *, table: int) -> None:
         """Delete every record of ``table``."""
         _check_table(table)
         with self._lock:
             self._check_open()
-            self._index.pop(table, None)
-            self._rows.pop(table, None)
-            self._size.pop(table, None)
+            self._tables.pop(table, None)
 
     def flush(self) -> None:
         """Nothing to do: memory is as durable as this store gets."""
@@ -174,8 +171,50 @@ class MemoryStore:
         """Drop every row."""
         with self._lock:
             self._closed = True
-            self._index.clear()
-            self._rows.clear()
+            self._tables.clear()
+
+
+class _MemoryTable:
+    """One table of a :class:`MemoryStore`: ``keys[:size]`` ascending, ``positions[i]`` the row of ``keys[i]``.
+
+    Rows are never moved or freed (ids are never deleted one by one), so a new id appends a row.
+    """
+
+    def __init__(self, width: int, capacity: int) -> None:
+        self.size = 0
+        self.keys: np.ndarray[Any, np.dtype[np.int64]] = np.zeros(0, dtype=np.int64)
+        self.positions: np.ndarray[Any, np.dtype[np.int64]] = np.zeros(0, dtype=np.int64)
+        self.rows = torch.empty(max(1024, capacity), width, dtype=torch.uint8)
+
+    def put(self, ids: np.ndarray[Any, np.dtype[np.int64]], rows: torch.Tensor) -> None:
+        """Insert or overwrite rows of unique ``ids``."""
+        keys = self.keys
+        if self.size:
+            where = np.searchsorted(keys, ids).clip(max=self.size - 1)
+            found = keys[where] == ids
+        else:
+            where = np.zeros(ids.shape[0], dtype=np.int64)
+            found = np.zeros(ids.shape[0], dtype=np.bool_)
+        positions = np.empty(ids.shape[0], dtype=np.int64)
+        positions[found] = self.positions[where[found]]
+        fresh = ~found
+        count = int(fresh.sum())
+        if count:
+            positions[fresh] = np.arange(self.size, self.size + count, dtype=np.int64)
+            new_ids = ids[fresh]
+            order = np.argsort(new_ids, kind="stable")
+            new_ids, new_positions = new_ids[order], positions[fresh][order]
+            at = np.searchsorted(keys, new_ids)
+            self.keys = np.insert(keys, at, new_ids)
+            self.positions = np.insert(self.positions, at, new_positions)
+            self.size += count
+            if self.size > self.rows.shape[0]:
+                grown = torch.empty(
+                    max(self.size, 2 * self.rows.shape[0]), self.rows.shape[1], dtype=torch.uint8
+                )
+                grown[: self.size - count] = self.rows[: self.size - count]
+                self.rows = grown
+        copy_rows(self.rows, torch.from_numpy(positions), rows)
 
 
 def _import_rocksdict() -> Any:
