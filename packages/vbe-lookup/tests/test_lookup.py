@@ -377,3 +377,19 @@ def test_gradients_reach_every_kernel_once() -> None:
     torch.testing.assert_close(tables["b"][2], before["b"][2] - lr)
     torch.testing.assert_close(tables["c"][3], before["c"][3] - lr)
     torch.testing.assert_close(tables["a"][0], before["a"][0])
+
+
+@pytest.mark.skipif(not HAS_FBGEMM, reason="fbgemm unavailable")
+def test_fbgemm_vbe_metadata_is_cached_per_layout() -> None:
+    """A wrapped TBE builds its VBE metadata once per layout and still computes the same output."""
+    lookup, tables = _two_kernel_lookup(second="fbgemm")
+    tbe = lookup.groups[1].kernel
+    stride = [[2, 1], [1, 3], [2, 2]]
+    for seed in range(3):
+        features = random_features(
+            ["a", "b", "c"], [10, 20, 30], stride, generator=torch.Generator().manual_seed(seed)
+        )
+        torch.testing.assert_close(lookup(features).values(), reference_pooled(tables, features))
+    assert len(getattr(tbe, "_vbe_lookup_metadata_cache", ())) == 1
+    uncached = GroupedVBELookup(lookup.groups, cache_fbgemm_metadata=False)
+    torch.testing.assert_close(uncached(features).values(), reference_pooled(tables, features))

@@ -118,18 +118,28 @@ def tbe_feature_num_embeddings(kernel: Any) -> list[int]:
     return [int(kernel.embedding_specs[t][0]) for t in kernel.feature_table_map]
 
 
+_SPARSE_TYPE_INTS = {0: torch.float32, 1: torch.float16, 5: torch.bfloat16}  # SparseType.as_int()
+
+
 def tbe_output_dtype(kernel: Any) -> torch.dtype:
     """The torch dtype of an fbgemm TBE's output."""
-    from fbgemm_gpu.split_embedding_configs import SparseType
+    try:
+        from fbgemm_gpu.split_embedding_configs import SparseType
 
-    dtype = SparseType.from_int(kernel.output_dtype).as_dtype()
+        dtype = SparseType.from_int(int(kernel.output_dtype)).as_dtype()
+    except (AttributeError, ValueError, KeyError, ImportError):
+        dtype = _SPARSE_TYPE_INTS.get(int(kernel.output_dtype), torch.float32)
     assert isinstance(dtype, torch.dtype)
     return dtype
 
 
 def tbe_uses_cpu(kernel: Any) -> bool:
     """Whether an fbgemm TBE runs its CPU kernels (those cannot write into ``vbe_output``)."""
-    return bool(kernel.use_cpu)
+    use_cpu = getattr(kernel, "use_cpu", None)
+    if use_cpu is not None:
+        return bool(use_cpu)
+    device = getattr(kernel, "current_device", torch.device("cpu"))
+    return torch.device(device).type == "cpu"
 
 
 _SPARSE_TYPES = {torch.float32: "FP32", torch.float16: "FP16", torch.bfloat16: "BF16"}
@@ -196,32 +206,38 @@ def install_vbe_metadata_cache(kernel: Any) -> None:
     """
     if getattr(kernel, "_vbe_lookup_metadata_cache", None) is not None:
         return
-    original = kernel._generate_vbe_metadata
+    original = getattr(kernel, "_generate_vbe_metadata", None)
+    if not callable(original):
+        return  # another fbgemm release: leave it alone
     cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 
-    def cached(
-        offsets: torch.Tensor,
-        batch_size_per_feature_per_rank: list[list[int]] | None,
-        vbe_output: torch.Tensor | None = None,
-        vbe_output_offsets: torch.Tensor | None = None,
-    ) -> Any:
-        if batch_size_per_feature_per_rank is None or torch.compiler.is_compiling():
-            return original(offsets, batch_size_per_feature_per_rank, vbe_output, vbe_output_offsets)
+    def cached(*args: Any, **kwargs: Any) -> Any:
+        # fbgemm calls it as (offsets, batch_size_per_feature_per_rank[, vbe_output, vbe_output_offsets]).
+        names = ("offsets", "batch_size_per_feature_per_rank", "vbe_output", "vbe_output_offsets")
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        offsets = bound.get("offsets")
+        batch_sizes = bound.get("batch_size_per_feature_per_rank")
+        if batch_sizes is None or not isinstance(offsets, torch.Tensor) or torch.compiler.is_compiling():
+            return original(*args, **kwargs)
+        vbe_output_offsets = bound.get("vbe_output_offsets")
         key = (
-            tuple(tuple(row) for row in batch_size_per_feature_per_rank),
+            tuple(tuple(row) for row in batch_sizes),
             offsets.device,
             None if vbe_output_offsets is None else (id(vbe_output_offsets), vbe_output_offsets.data_ptr()),
         )
         hit = cache.get(key)
         if hit is None:
-            hit = original(offsets, batch_size_per_feature_per_rank, vbe_output, vbe_output_offsets)
+            metadata = original(*args, **kwargs)
             # Keep the offsets tensor alive so its id cannot be reused by another tensor.
-            cache[key] = (hit, vbe_output_offsets)
+            cache[key] = (metadata, vbe_output_offsets)
             if len(cache) > _METADATA_CACHE_SIZE:
                 cache.popitem(last=False)
-            return hit
+            return metadata
         cache.move_to_end(key)
-        return hit[0]._replace(vbe_output=vbe_output)
+        metadata = hit[0]
+        if "vbe_output" in getattr(metadata, "_fields", ()):
+            metadata = metadata._replace(vbe_output=bound.get("vbe_output"))
+        return metadata
 
     kernel._generate_vbe_metadata = cached
     kernel._vbe_lookup_metadata_cache = cache
