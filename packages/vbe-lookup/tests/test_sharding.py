@@ -34,8 +34,11 @@ from _dist_workers import (
 )
 
 from vbe_lookup._sharding_plan import ShardingLayout
+from vbe_lookup._torch_kernel import TorchEmbeddingKernel
 from vbe_lookup.errors import BatchLayoutError
+from vbe_lookup.interfaces import EmbeddingKernel
 from vbe_lookup.sharding import (
+    KernelSpec,
     PooledEmbeddings,
     RowWise,
     SequenceEmbeddings,
@@ -279,6 +282,79 @@ def test_single_rank_state_dict_nested_in_a_model(one_rank: None) -> None:
     del state["ebc.t1.weight"]
     with pytest.raises(RuntimeError, match=r"Missing key\(s\).*ebc\.t1\.weight"):
         model.load_state_dict(state)
+
+
+class OpaqueKernel(torch.nn.Module):
+    """A kernel without ``split_embedding_weights()`` (like a key-value table): it keeps its own state."""
+
+    def __init__(self, spec: KernelSpec) -> None:
+        super().__init__()
+        self.inner = TorchEmbeddingKernel(
+            list(spec.num_embeddings),
+            list(spec.embedding_dims),
+            feature_table_map=list(spec.feature_table_map),
+        )
+
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+        batch_size_per_feature_per_rank: list[list[int]] | None = None,
+        vbe_output: torch.Tensor | None = None,
+        vbe_output_offsets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Delegate (no in-place ``vbe_output``)."""
+        del vbe_output, vbe_output_offsets
+        out: torch.Tensor = self.inner(
+            indices,
+            offsets,
+            per_sample_weights=per_sample_weights,
+            batch_size_per_feature_per_rank=batch_size_per_feature_per_rank,
+        )
+        return out
+
+    def feature_dims(self) -> list[int]:
+        """Embedding dim of each feature."""
+        return self.inner.feature_dims()
+
+
+def test_single_rank_state_dict_keeps_opaque_kernels_own_state(one_rank: None) -> None:
+    """Tables of kernels without ``split_embedding_weights()`` stay in the kernel's own entries; the
+    others are unsharded; both load back."""
+    del one_rank
+    plan = ShardingPlan(
+        world_size=1,
+        placements={
+            "t0": TableWise(rank=0, group="a"),
+            "t1": TableWise(rank=0, group="a"),
+            "t2": RowWise(group="kv"),
+            "t3": TableWise(rank=0, group="kv"),
+        },
+    )
+
+    def factory(spec: KernelSpec) -> EmbeddingKernel:
+        if spec.group == "kv":
+            return OpaqueKernel(spec)
+        return TorchEmbeddingKernel(
+            list(spec.num_embeddings),
+            list(spec.embedding_dims),
+            feature_table_map=list(spec.feature_table_map),
+        )
+
+    m = ShardedEmbeddingBags(TABLES, plan, kernel_factory=factory)
+    state = m.state_dict()
+    opaque = sorted(k for k in state if k.startswith("lookup."))
+    assert {k for k in state if not k.startswith("lookup.")} == {"t0.weight", "t1.weight"}
+    assert opaque
+    assert all(".inner." in k for k in opaque)
+    init = initial_tables(4)
+    state["t0.weight"] = init["t0.weight"]
+    state[opaque[0]] = torch.full_like(state[opaque[0]], 0.5)
+    m.load_state_dict(state)
+    after = m.state_dict()
+    close(after["t0.weight"], init["t0.weight"])
+    close(after[opaque[0]], torch.full_like(after[opaque[0]], 0.5))
 
 
 # ------------------------------------------------------------------------------ multi-process

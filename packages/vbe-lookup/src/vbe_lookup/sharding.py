@@ -22,7 +22,8 @@ One step (every rank runs the same calls, in the same order):
 ``state_dict()`` gathers every table to its unsharded ``[num_embeddings, embedding_dim]`` layout on
 every rank (``f"{table}.weight"``, plus ``f"{table}.momentum"`` for row-wise Adagrad), and
 ``load_state_dict`` scatters such a dict back to whatever plan and world size the module has: a model
-trained on N ranks resumes on M.
+trained on N ranks resumes on M. Tables in kernels without ``split_embedding_weights()`` (key-value
+tables) keep their kernel's own (per-rank) state entries instead.
 """
 
 from __future__ import annotations
@@ -399,59 +400,87 @@ class _ShardedModule(nn.Module):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ state dict
+    def _exporting_kernels(self) -> list[tuple[KernelSpec, EmbeddingKernel]]:
+        """Kernels whose tables can be read and written as plain rows (``split_embedding_weights()``)."""
+        return [
+            (spec, kernel)
+            for spec, kernel in zip(self._specs, self._kernels, strict=True)
+            if callable(getattr(kernel, "split_embedding_weights", None))
+        ]
+
     def _local_shards(self) -> Iterator[tuple[TableShard, Tensor, Tensor | None]]:
-        """``(shard, weight [rows, dim], momentum [rows] or None)`` of every shard on this rank."""
-        for spec, kernel in zip(self._specs, self._kernels, strict=True):
-            split = getattr(kernel, "split_embedding_weights", None)
-            if not callable(split):
-                raise VBELookupError(
-                    f"the kernel of group `{spec.group}` ({type(kernel).__name__}) has no "
-                    "`split_embedding_weights()`, so its tables cannot be saved or loaded"
-                )
-            weights = list(split())
+        """``(shard, weight [rows, dim], momentum [rows] or None)`` of every exportable shard on this rank.
+
+        Kernels without ``split_embedding_weights()`` (e.g. key-value tables that checkpoint through
+        their own ``state_dict`` entries) are left out: their tables stay in the kernel's own state.
+        """
+        names = [t.name for t in self.layout.tables]
+        for spec, kernel in self._exporting_kernels():
+            weights = list(kernel.split_embedding_weights())  # type: ignore[attr-defined]  # checked above
             momenta = _momenta(kernel, spec)
             for i, name in enumerate(spec.table_names):
-                table = [t.name for t in self.layout.tables].index(name)
+                table = names.index(name)
                 shard = next(s for s in self.layout.shards[table] if s.rank == self.rank)
                 yield shard, weights[i], momenta[i]
 
     def _gathered_tables(self) -> dict[str, Tensor]:
-        """Every table, unsharded, on every rank (float32, module device): one all-reduce."""
+        """Every exportable table, unsharded, on every rank (float32, module device): two all-reduces.
+
+        A table is exportable when every one of its shards is held by a kernel with
+        ``split_embedding_weights()``; the ranks agree on that through the first (tiny) all-reduce.
+        """
         comm, tables = self._comm, self.layout.tables
+        num = len(tables)
         local = list(self._local_shards())
-        flags = torch.zeros(len(tables), dtype=torch.int64, device=self.device)
+        flags = torch.zeros(2 * num, dtype=torch.int64, device=self.device)
         for shard, _, momentum in local:
+            flags[shard.table] += 1
             if momentum is not None:
-                flags[shard.table] = 1
-        comm.all_reduce_sum_(flags, "state_dict momentum flags")
-        has_momentum = [bool(f) for f in flags.tolist()]
-        sizes = [t.num_embeddings * t.embedding_dim for t in tables]
+                flags[num + shard.table] = 1
+        comm.all_reduce_sum_(flags, "state_dict table flags")
+        host = flags.tolist()
+        export = [host[t] == len(self.layout.shards[t]) for t in range(num)]
+        has_momentum = [export[t] and host[num + t] > 0 for t in range(num)]
+        sizes = [t.num_embeddings * t.embedding_dim if e else 0 for t, e in zip(tables, export, strict=True)]
         sizes += [t.num_embeddings if m else 0 for t, m in zip(tables, has_momentum, strict=True)]
         flat = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
         parts = list(torch.split(flat, sizes))
         with torch.no_grad():
             for shard, weight, momentum in local:
+                if not export[shard.table]:
+                    continue
                 dim = tables[shard.table].embedding_dim
                 full = parts[shard.table].view(-1, dim)
                 full[shard.row_start : shard.row_start + shard.num_rows] = weight.to(torch.float32)
-                if momentum is not None:
-                    m = parts[len(tables) + shard.table]
+                if momentum is not None and has_momentum[shard.table]:
+                    m = parts[num + shard.table]
                     m[shard.row_start : shard.row_start + shard.num_rows] = momentum.reshape(-1).to(
                         torch.float32
                     )
         comm.all_reduce_sum_(flat, "state_dict gather")
         out: dict[str, Tensor] = {}
         for t, table in enumerate(tables):
-            out[f"{table.name}.weight"] = parts[t].view(table.num_embeddings, table.embedding_dim)
+            if export[t]:
+                out[f"{table.name}.weight"] = parts[t].view(table.num_embeddings, table.embedding_dim)
             if has_momentum[t]:
-                out[f"{table.name}.momentum"] = parts[len(tables) + t]
+                out[f"{table.name}.momentum"] = parts[num + t]
         return out
+
+    def _exported_state_prefixes(self) -> list[str]:
+        """Module-relative prefixes (``"lookup.kernels.0."``) of the kernels whose state is unsharded."""
+        exporting = {id(kernel) for _, kernel in self._exporting_kernels()}
+        return [f"{name}." for name, module in self.named_modules() if name and id(module) in exporting]
 
     def _scatter_tables(
         self, state: dict[str, Any], prefix: str, missing: list[str], errors: list[str]
     ) -> None:
-        """Copy the rows of this rank's shards out of unsharded ``state`` (pops the table keys)."""
+        """Copy the rows of this rank's exportable shards out of unsharded ``state`` (pops table keys).
+
+        A table key is reported missing only on ranks holding an exportable shard of that table.
+        """
         tables = self.layout.tables
+        local = list(self._local_shards())
+        needed = {shard.table for shard, _, _ in local}
         full: dict[int, Tensor] = {}
         moments: dict[int, Tensor] = {}
         for t, table in enumerate(tables):
@@ -459,7 +488,8 @@ class _ShardedModule(nn.Module):
             value = state.pop(key, None)
             m_value = state.pop(f"{prefix}{table.name}.momentum", None)
             if value is None:
-                missing.append(key)
+                if t in needed:
+                    missing.append(key)
                 continue
             shape = (table.num_embeddings, table.embedding_dim)
             if not isinstance(value, Tensor) or tuple(value.shape) != shape:
@@ -470,7 +500,7 @@ class _ShardedModule(nn.Module):
             if isinstance(m_value, Tensor) and m_value.numel() == table.num_embeddings:
                 moments[t] = m_value.reshape(-1)
         with torch.no_grad():
-            for shard, weight, momentum in self._local_shards():
+            for shard, weight, momentum in local:
                 rows = slice(shard.row_start, shard.row_start + shard.num_rows)
                 if shard.table in full:
                     weight.copy_(full[shard.table][rows])
@@ -504,10 +534,11 @@ def _momenta(kernel: object, spec: KernelSpec) -> list[Tensor | None]:
 
 
 def _state_dict_post_hook(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """Replace the kernels' sharded entries by the unsharded tables (a collective: every rank calls it)."""
+    """Replace the exporting kernels' sharded entries by the unsharded tables (a collective)."""
     del local_metadata
     assert isinstance(module, _ShardedModule)
-    for key in [k for k in state if k.startswith(prefix)]:
+    sharded = tuple(prefix + p for p in module._exported_state_prefixes())
+    for key in [k for k in state if k.startswith(sharded)]:
         del state[key]
     for key, value in module._gathered_tables().items():
         state[prefix + key] = value
@@ -523,13 +554,16 @@ def _load_state_dict_pre_hook(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    """Scatter unsharded tables into this rank's shards; the kernels then reload their current state."""
+    """Scatter unsharded tables into this rank's shards; exporting kernels then reload their current state.
+
+    Other kernels (no ``split_embedding_weights()``) load their own entries from ``state`` as usual.
+    """
     del local_metadata, strict, unexpected_keys
     assert isinstance(module, _ShardedModule)
     module._scatter_tables(state, prefix, missing_keys, error_msgs)
-    for name, child in module._modules.items():
-        if child is not None:
-            state.update(child.state_dict(prefix=f"{prefix}{name}."))
+    for child_prefix in module._exported_state_prefixes():
+        child = module.get_submodule(child_prefix[:-1])
+        state.update(child.state_dict(prefix=f"{prefix}{child_prefix}"))
 
 
 class ShardedEmbeddingBags(_ShardedModule):
