@@ -254,3 +254,28 @@ def test_gradcheck_and_double_backward() -> None:
     values = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(fn, (values,))
     assert torch.autograd.gradgradcheck(fn, (values,))
+
+
+def test_module_to_keeps_working_and_matches_the_op() -> None:
+    """After .to() the module uses its moved buffers; eager path and custom op give the same tensors."""
+    from kt_regroup._ops import permute
+
+    module = KTRegroupAsDict([["b", "a", "b"], ["c"]], ["x", "y"])
+    kts = make_kts([["a", "b", "c"]], [[2, 4, 2]], 5, torch.float32, 1)
+    first = module(kts)
+    module.to("cpu")
+    again = module(kts)
+    (cached,) = module._plans.values()
+    plan = cached.plan
+    via_op = permute(
+        [kts[0].values()],
+        [getattr(module, name) for name in cached.buffers],
+        list(plan.meta),
+        list(plan.in_lengths),
+        list(plan.out_lengths),
+        plan.key_dim,
+        plan.backend,
+    )
+    for name, op_out in zip(["x", "y"], via_op, strict=True):
+        assert torch.equal(first[name], again[name])
+        assert torch.equal(first[name], op_out)
