@@ -18,7 +18,7 @@ from torch import nn
 
 from vbe_lookup import _fbgemm
 from vbe_lookup._compat import eager_only
-from vbe_lookup._features import complete_cumsum
+from vbe_lookup._features import VBEFeatures, complete_cumsum
 from vbe_lookup._torch_kernel import GRANULE_ATTRIBUTE, TorchEmbeddingKernel
 from vbe_lookup.errors import (
     BatchLayoutError,
@@ -224,6 +224,7 @@ class _Layout:
     feature_bag_bounds: torch.Tensor  # [F_in + 1] long: first bag of each input feature
     rows_of_feature: torch.Tensor  # [F_in] long: table rows of each input feature (2**62: unknown)
     feature_of_bag: torch.Tensor  # [num_bags] long, input feature of every bag
+    num_bags: int
 
 
 class GroupedVBELookup(nn.Module):
@@ -298,8 +299,10 @@ class GroupedVBELookup(nn.Module):
 
     # ------------------------------------------------------------------ layout
     @eager_only  # host-side metadata, cached per layout: keep it out of graphs
-    def _layout(self, keys: list[str], stride: list[list[int]], device: torch.device) -> _Layout:
-        key = (tuple(keys), tuple(tuple(row) for row in stride), device)
+    def _layout(
+        self, keys: tuple[str, ...], stride: tuple[tuple[int, ...], ...], device: torch.device
+    ) -> _Layout:
+        key = (keys, stride, device)
         layout = self._layouts.get(key)
         if layout is not None:
             self._layouts.move_to_end(key)
@@ -310,7 +313,9 @@ class GroupedVBELookup(nn.Module):
             self._layouts.popitem(last=False)
         return layout
 
-    def _build_layout(self, keys: list[str], stride: list[list[int]], device: torch.device) -> _Layout:
+    def _build_layout(
+        self, keys: tuple[str, ...], stride: tuple[tuple[int, ...], ...], device: torch.device
+    ) -> _Layout:
         position = {name: i for i, name in enumerate(keys)}
         if len(position) != len(keys):
             raise InvalidFeaturesError(f"`keys` must be unique, got {keys}")
@@ -420,6 +425,7 @@ class GroupedVBELookup(nn.Module):
             feature_bag_bounds=_to_device(torch.tensor(bag_start, dtype=torch.long), device),
             rows_of_feature=_to_device(torch.tensor(rows, dtype=torch.long), device),
             feature_of_bag=_to_device(torch.arange(len(keys)).repeat_interleave(per_feature_bags), device),
+            num_bags=bag_start[-1],
         )
 
     # ------------------------------------------------------------------ forward
@@ -434,8 +440,11 @@ class GroupedVBELookup(nn.Module):
             :class:`VBEOutput` whose ``values()`` is 1-D, rank → group → feature → sample → dim, of
             ``output_dtype``.
         """
-        keys = list(features.keys())
-        stride = [list(row) for row in features.stride_per_key_per_rank()]
+        if isinstance(features, VBEFeatures):
+            keys, stride = features._keys, features._stride  # immutable: no per-step copies
+        else:
+            keys = tuple(features.keys())
+            stride = tuple(tuple(int(b) for b in row) for row in features.stride_per_key_per_rank())
         values = features.values()
         lengths = features.lengths()
         weights = features.weights_or_none()
@@ -445,7 +454,7 @@ class GroupedVBELookup(nn.Module):
             )
         device = values.device
         layout = self._layout(keys, stride, device)
-        num_bags = sum(sum(row) for row in stride)
+        num_bags = layout.num_bags
         if lengths.numel() != num_bags:
             raise BatchLayoutError(
                 f"`lengths` has {lengths.numel()} entries but `stride_per_key_per_rank` sums to {num_bags} bags"
@@ -470,7 +479,7 @@ class GroupedVBELookup(nn.Module):
     def _check_ids(
         self,
         layout: _Layout,
-        keys: list[str],
+        keys: Sequence[str],
         values: torch.Tensor,
         lengths: torch.Tensor,
         offsets: torch.Tensor,
