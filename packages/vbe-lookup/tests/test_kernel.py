@@ -41,7 +41,7 @@ def kernel_cases(draw: Any) -> dict[str, Any]:
     }
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(case=kernel_cases())
 def test_matches_reference_forward_backward(case: dict[str, Any]) -> None:
     """Output, per-sample-weight gradients and tables after two steps equal the EmbeddingBag reference."""
