@@ -1185,25 +1185,34 @@ class KeyValueEmbeddingBags(nn.Module):
     # ------------------------------------------------------------------ records
 
     def _encode(self, table: int, weights: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """Records ``[K, record_bytes]`` uint8 (host) of rows ``[K, D]`` and state ``[K, S]``."""
+        """Records ``[K, record_bytes]`` uint8 (host) of rows ``[K, D]`` and state ``[K, S]``.
+
+        Copies go through ``int16`` views (every field starts at an even byte): torch's CPU copies are several
+        times faster on them than on strided ``uint8``.
+        """
         weights = weights.to("cpu", self._weight_dtype).contiguous()
         state = state.to("cpu", torch.float32).contiguous()
         n = weights.shape[0]
-        records = torch.zeros(n, self._record_bytes[table], dtype=torch.uint8)
         raw = self._dims[table] * self._weight_dtype.itemsize
-        records[:, :raw] = weights.view(torch.uint8).view(n, raw)
+        padded = self._weight_bytes[table]
+        records = torch.empty(n, self._record_bytes[table], dtype=torch.uint8)
+        halves = records.view(torch.int16)
+        halves[:, : raw // 2] = weights.view(torch.int16)
+        if padded > raw:
+            halves[:, raw // 2 : padded // 2] = 0
         if self._state_width:
-            records[:, self._weight_bytes[table] :] = state.view(torch.uint8).view(n, 4 * self._state_width)
+            halves[:, padded // 2 :] = state.view(torch.int16)
         return records
 
     def _decode(self, table: int, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inverse of :meth:`_encode`: (``[K, D]`` weight dtype, ``[K, S]`` float32), host."""
         n = records.shape[0]
         raw = self._dims[table] * self._weight_dtype.itemsize
-        weights = records[:, :raw].contiguous().view(self._weight_dtype).view(n, self._dims[table])
+        halves = records.contiguous().view(torch.int16)
+        weights = halves[:, : raw // 2].contiguous().view(self._weight_dtype).view(n, self._dims[table])
         if self._state_width:
             state = (
-                records[:, self._weight_bytes[table] :]
+                halves[:, self._weight_bytes[table] // 2 :]
                 .contiguous()
                 .view(torch.float32)
                 .view(n, self._state_width)
