@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -262,6 +263,13 @@ def _plot(results: list[dict[str, Any]], path: Path, device: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not on every platform
+        return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -282,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             Case(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, "steps": args.steps}) for c in cases
         ]
     workdir = Path(tempfile.mkdtemp(prefix="kv-bench-", dir=args.workdir))
+    load_before = _load_average()
     try:
         results = [row for case in cases for row in run_case(case, device, workdir / case.name)]
     finally:
@@ -300,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
             + (f" --threads {args.threads}" if args.threads else ""),
             "threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            # 1-minute load average of the host before and after the run (shared CI boxes are noisy).
+            "load_average": [load_before, _load_average()],
+            "cpu_count": os.cpu_count(),
             "results": results,
         }
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
