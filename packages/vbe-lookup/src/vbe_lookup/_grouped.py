@@ -288,6 +288,7 @@ class GroupedVBELookup(nn.Module):
                 output_dtype = torch.promote_types(output_dtype, dtype)
         self.output_dtype: torch.dtype = output_dtype
         # Kernel kinds are fixed at construction so the forward asks no questions of fbgemm.
+        self._in_place_cache: dict[str, tuple[bool, ...]] = {}
         self._kinds: list[tuple[str, torch.dtype | None]] = [
             (_kernel_kind(g.kernel), _kernel_output_dtype(g.kernel)) for g in groups
         ]
@@ -585,16 +586,31 @@ class GroupedVBELookup(nn.Module):
         if self.merge == "legacy":
             return self._legacy_merge(layout, inputs, device)
         out = torch.empty(layout.total, dtype=dtype, device=device)
+        in_place = self._in_place_on(device)
+        # Placement copies first, into the plain buffer: a tensor an in-place kernel returned may be a view
+        # created inside its custom autograd function (fbgemm returns `vbe_output` as-is), on which an
+        # in-place autograd op is forbidden. Then the chain: each in-place kernel gets the tensor the
+        # previous one returned, used as it is (no reshape, no copy).
         for g_i, (group, plan, item) in enumerate(zip(self.groups, layout.groups, inputs, strict=True)):
-            if item is None:
-                continue  # no bag on any rank: its blocks are empty
-            if self._writes_in_place(g_i, device):
-                out = _call(group.kernel, item, plan.batch_sizes, out, plan.vbe_output_offsets).reshape(-1)
-            else:
-                y = _call(group.kernel, item, plan.batch_sizes).reshape(-1).to(dtype)
-                rows, granule = _placement(plan, layout.total, device)
-                out.view(-1, granule).index_copy_(0, rows, y.view(-1, granule))
+            if item is None or in_place[g_i]:
+                continue  # no bag on any rank (its blocks are empty), or written in the chain below
+            y = _call(group.kernel, item, plan.batch_sizes).reshape(-1).to(dtype)
+            rows, granule = _placement(plan, layout.total, device)
+            out.view(-1, granule).index_copy_(0, rows, y.view(-1, granule))
+        for g_i, (group, plan, item) in enumerate(zip(self.groups, layout.groups, inputs, strict=True)):
+            if item is not None and in_place[g_i]:
+                out = _call(group.kernel, item, plan.batch_sizes, out, plan.vbe_output_offsets)
+                if out.dim() != 1:
+                    out = out.reshape(-1)
         return out
+
+    def _in_place_on(self, device: torch.device) -> tuple[bool, ...]:
+        """Per group: writes in place on ``device`` (cached per device type)."""
+        hit = self._in_place_cache.get(device.type)
+        if hit is None:
+            hit = tuple(self._writes_in_place(g_i, device) for g_i in range(len(self.groups)))
+            self._in_place_cache[device.type] = hit
+        return hit
 
     def _legacy_merge(
         self,

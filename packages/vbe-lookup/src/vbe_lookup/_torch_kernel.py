@@ -402,10 +402,11 @@ class TorchEmbeddingKernel(nn.Module):
         if self.optimizer is None:
             layout = self._layout(num_bags, batch_sizes, indices.device)
             plan = _Plan(self, layout, indices, offsets, per_sample_weights, vbe_output_offsets)
-            pooled: torch.Tensor = plan.pool(
-                vbe_output, [self._weights(g_i) for g_i in range(len(self._dim_groups))]
-            )
-            return pooled
+            weights = [self._weights(g_i) for g_i in range(len(self._dim_groups))]
+            if vbe_output is None:
+                pooled: torch.Tensor = plan.pool(None, weights)
+                return pooled
+            return plan.write_into(vbe_output, weights)
         return _fused_lookup(
             self, num_bags, batch_sizes, indices, offsets, per_sample_weights, vbe_output, vbe_output_offsets
         )
@@ -579,6 +580,47 @@ class _Plan:
             return out.view(self.layout.output_shape)
         return out
 
+    def write_into(self, vbe_output: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        """Differentiable write of every dim group's bags into ``vbe_output`` (plain-autograd kernels).
+
+        ``vbe_output`` may be the tensor a custom autograd function (fbgemm's TBE) returned as-is, on which
+        autograd forbids in-place ops; :class:`_WriteInto` writes inside its own forward and returns it as
+        fbgemm does.
+        """
+        out = vbe_output
+        for g_i, group in enumerate(self.layout.groups):
+            if group is None:
+                continue
+            pooled = self.pooled(g_i, weights[g_i])
+            rows, granule = self.positions(group)
+            out = _WriteInto.apply(out, rows, granule, pooled)  # type: ignore[no-untyped-call]  # torch leaves apply untyped
+        return out
+
+
+class _WriteInto(torch.autograd.Function):
+    """``out.view(-1, granule)[rows] = pooled`` inside a custom function, returning ``out`` as-is.
+
+    The gradient passes through to ``out`` (the earlier kernels of a chain read only their own blocks)
+    and is gathered for ``pooled``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, out: torch.Tensor, rows: torch.Tensor, granule: int, pooled: torch.Tensor
+    ) -> torch.Tensor:
+        out.view(-1, granule).index_copy_(0, rows, pooled.to(out.dtype).reshape(-1, granule))
+        ctx.save_for_backward(rows)
+        ctx.granule = granule
+        ctx.pooled_shape = pooled.shape
+        ctx.pooled_dtype = pooled.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, torch.Tensor]:
+        (rows,) = ctx.saved_tensors
+        grad_pooled = grad.reshape(-1, ctx.granule).index_select(0, rows)
+        return grad, None, None, grad_pooled.reshape(ctx.pooled_shape).to(ctx.pooled_dtype)
+
 
 class _FusedLookup(torch.autograd.Function):
     """Forward pooling; backward applies the kernel's optimizer to the touched rows in place."""
@@ -596,8 +638,9 @@ class _FusedLookup(torch.autograd.Function):
         out = plan.pool(vbe_output, weights)
         ctx.plan = plan
         ctx.chained = vbe_output is not None
-        if vbe_output is not None:
-            ctx.mark_dirty(vbe_output)
+        # `vbe_output` is returned as-is, NOT marked dirty: fbgemm's TBE does the same, and the tensor it
+        # returns is a view "created inside a custom Function" that `mark_dirty` (an in-place op for
+        # autograd) refuses. Our backward passes the gradient through to `vbe_output`.
         return out
 
     @staticmethod
