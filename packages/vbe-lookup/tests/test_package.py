@@ -31,3 +31,12 @@ def test_readme_usage_runs() -> None:
     exec(compile(block, "README.md", "exec"), namespace)
     # rank 0: user 1x8, item 1x8, query 2x16; rank 1: user 1x8, item 1x8
     assert namespace["out"].values().numel() == 64  # type: ignore[attr-defined]
+
+
+def test_sharding_names_are_reexported() -> None:
+    """Every public name of `vbe_lookup.sharding` is importable from `vbe_lookup` itself (same object)."""
+    from vbe_lookup import sharding
+
+    for name in sharding.__all__:
+        assert name in vbe_lookup.__all__, name
+        assert getattr(vbe_lookup, name) is getattr(sharding, name), name

@@ -7,6 +7,8 @@
   (fbgemm TBEs, key-value tables, ...) writing one 1-D output, rank → kernel → feature → sample → dim.
 - :mod:`vbe_lookup.interfaces`: the Protocols consumed (``KeyedJaggedTensorLike``, ``EmbeddingKernel``,
   ``PrefetchableKernel``); :mod:`vbe_lookup.errors`: the exceptions.
+- :mod:`vbe_lookup.sharding` (re-exported here): :class:`ShardedEmbeddingBags` and
+  :class:`ShardedSequenceEmbeddings`, table-wise and row-wise sharding over ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -17,16 +19,52 @@ from vbe_lookup._torch_kernel import TorchEmbeddingKernel
 from vbe_lookup._version import __version__
 from vbe_lookup.errors import VBELookupError
 from vbe_lookup.interfaces import EmbeddingKernel, KeyedJaggedTensorLike, PrefetchableKernel
+from vbe_lookup.sharding import (
+    CollectiveTimeoutError,
+    DistributedFeatures,
+    InputDistHandle,
+    KernelFactory,
+    KernelSpec,
+    PeerRankError,
+    PooledEmbeddings,
+    RowWise,
+    SequenceEmbeddings,
+    ShardedEmbeddingBags,
+    ShardedSequenceEmbeddings,
+    ShardingPlan,
+    ShardingPlanError,
+    TableConfig,
+    TableWise,
+    UnknownFeatureError,
+    torch_kernel_factory,
+)
 
 __all__ = [
+    "CollectiveTimeoutError",
+    "DistributedFeatures",
     "EmbeddingKernel",
     "GroupedVBELookup",
+    "InputDistHandle",
+    "KernelFactory",
     "KernelGroup",
+    "KernelSpec",
     "KeyedJaggedTensorLike",
+    "PeerRankError",
+    "PooledEmbeddings",
     "PrefetchableKernel",
+    "RowWise",
+    "SequenceEmbeddings",
+    "ShardedEmbeddingBags",
+    "ShardedSequenceEmbeddings",
+    "ShardingPlan",
+    "ShardingPlanError",
+    "TableConfig",
+    "TableWise",
     "TorchEmbeddingKernel",
+    "UnknownFeatureError",
     "VBEFeatures",
     "VBELookupError",
     "VBEOutput",
     "__version__",
+    "torch_kernel_factory",
 ]
