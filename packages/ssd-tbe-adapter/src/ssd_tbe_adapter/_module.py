@@ -1089,7 +1089,7 @@ class KeyValueEmbeddingBags(nn.Module):
     def _insert(
         self, table: int, ids: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, tick: int
     ) -> int:
-        """Cache as many of the (uncached) rows as fit, evicting LRU rows older than ``tick``. Lock held.
+        """Cache as many of the (uncached) rows as fit, evicting the least used rows older than ``tick``. Lock held.
 
         Returns:
             How many rows (a prefix of ``ids``) were cached.
