@@ -7,6 +7,7 @@ batch-size layout and cached on the device, so a step does no host sync and no `
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -225,6 +226,11 @@ class _Layout:
     rows_of_feature: torch.Tensor  # [F_in] long: table rows of each input feature (2**62: unknown)
     feature_of_bag: torch.Tensor  # [num_bags] long, input feature of every bag
     num_bags: int
+    # Input split, decided once per layout: whether ids per feature are needed on the host, and, when the
+    # groups with bags read consecutive runs of input features in input order, each one's run (one
+    # `torch.split` of the ids then serves every group).
+    need_counts: bool
+    tiled_runs: tuple[tuple[int, int], ...] | None
 
 
 class GroupedVBELookup(nn.Module):
@@ -414,7 +420,15 @@ class GroupedVBELookup(nn.Module):
         per_feature_bags = torch.tensor(
             [bag_start[i + 1] - bag_start[i] for i in range(len(keys))], dtype=torch.long
         )
+        active = [p for p in plans if p.num_bags > 0]
+        tiled: tuple[tuple[int, int], ...] | None = None
+        if active and all(len(p.feature_runs) == 1 for p in active):
+            runs = [p.feature_runs[0] for p in active]
+            if runs[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(runs)):
+                tiled = tuple(runs)
         return _Layout(
+            need_counts=any(not p.whole_input and p.num_bags > 0 for p in plans),
+            tiled_runs=tiled,
             groups=tuple(plans),
             offsets=offsets_dev,
             offsets_host=tuple(tuple(r) for r in offsets_host),
@@ -529,34 +543,46 @@ class GroupedVBELookup(nn.Module):
         weights: torch.Tensor | None,
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
         """Each group's (indices, offsets, weights); ``None`` for a group with no bag."""
-        need_counts = any(not p.whole_input and p.num_bags > 0 for p in layout.groups)
-        value_start: list[int] = []
-        if need_counts:
-            counts = _length_per_key(features, layout, offsets)
-            value_start = [0]
-            for n in counts:
-                value_start.append(value_start[-1] + n)
+        if not layout.need_counts:  # one group reads everything (others have no bag)
+            whole = (values, offsets if offsets.dtype == values.dtype else offsets.to(values.dtype), weights)
+            return [whole if p.num_bags > 0 else None for p in layout.groups]
+        counts = _length_per_key(features, layout, offsets)
+        value_start = [0, *itertools.accumulate(counts)]
+        if layout.tiled_runs is not None:
+            # Groups with bags read consecutive feature runs in input order: one split of the ids.
+            sizes = [value_start[b] - value_start[a] for a, b in layout.tiled_runs]
+            sizes[-1] = values.numel() - sum(sizes[:-1])  # any ids past the last run (none when valid)
+            v_split = values.split_with_sizes(sizes)
+            w_split = None if weights is None else weights.split_with_sizes(sizes)
         out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None] = []
+        active = 0
         for plan in layout.groups:
             if plan.num_bags == 0:
                 out.append(None)
                 continue
-            if plan.whole_input:
-                out.append((values, offsets.to(values.dtype), weights))
-                continue
-            v_parts = [values[value_start[a] : value_start[b]] for a, b in plan.feature_runs]
-            g_values = v_parts[0] if len(v_parts) == 1 else torch.cat(v_parts)
+            if layout.tiled_runs is not None:
+                g_values = v_split[active]
+                g_weights = None if w_split is None else w_split[active]
+                active += 1
+            else:
+                v_parts = [values[value_start[a] : value_start[b]] for a, b in plan.feature_runs]
+                g_values = v_parts[0] if len(v_parts) == 1 else torch.cat(v_parts)
+                g_weights = None
+                if weights is not None:
+                    w_parts = [weights[value_start[a] : value_start[b]] for a, b in plan.feature_runs]
+                    g_weights = w_parts[0] if len(w_parts) == 1 else torch.cat(w_parts)
             if len(plan.bag_runs) == 1:
-                # One contiguous run: rebase the global offsets (one kernel, the shift is a host int).
+                # One contiguous run: rebase the global offsets (no kernel when it starts at id 0).
                 (bag_a, bag_b), (feature_a, _) = plan.bag_runs[0], plan.feature_runs[0]
-                g_offsets = (offsets[bag_a : bag_b + 1] - value_start[feature_a]).to(values.dtype)
+                g_offsets = offsets[bag_a : bag_b + 1]
+                shift = value_start[feature_a]
+                if shift:
+                    g_offsets = g_offsets - shift
+                if g_offsets.dtype != values.dtype:
+                    g_offsets = g_offsets.to(values.dtype)
             else:
                 g_lengths = torch.cat([lengths[a:b] for a, b in plan.bag_runs])
                 g_offsets = complete_cumsum(g_lengths.to(values.dtype))
-            g_weights = None
-            if weights is not None:
-                w_parts = [weights[value_start[a] : value_start[b]] for a, b in plan.feature_runs]
-                g_weights = w_parts[0] if len(w_parts) == 1 else torch.cat(w_parts)
             out.append((g_values, g_offsets, g_weights))
         return out
 
@@ -681,7 +707,7 @@ def _length_per_key(features: KeyedJaggedTensorLike, layout: _Layout, offsets: t
     if callable(getter):
         known = getter()
         if known is not None:
-            return [int(n) for n in known]
+            return known if isinstance(known, list) else [int(n) for n in known]
     at = offsets.to(torch.long)[layout.feature_bag_bounds]
     return [int(n) for n in (at[1:] - at[:-1]).tolist()]
 
