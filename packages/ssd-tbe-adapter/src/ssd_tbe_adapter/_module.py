@@ -39,6 +39,7 @@ Pooling = Literal["sum", "mean"]
 WeightsPrecision = Literal["fp32", "fp16"]
 
 _CHECKPOINT_FORMAT = 1
+_NO_TICK = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +135,7 @@ class _TableGroup:
 class _Pending:
     indices: torch.Tensor
     future: Future[dict[int, _TableGroup]]
+    job: int  # sequence number of the prefetch job
 
 
 @dataclass(slots=True)
@@ -285,6 +287,12 @@ class KeyValueEmbeddingBags(nn.Module):
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
         self._lock = threading.RLock()
         self._tick = 0
+        # Eviction never takes a row touched at or after the tick of the batch being served (``_batch_tick``)
+        # or of a prefetched batch not yet served (``_job_ticks``, job number -> tick): prefetching batch k+1
+        # must not push out the rows of batch k, whatever the eviction order says.
+        self._batch_tick = _NO_TICK
+        self._job_ticks: dict[int, int] = {}
+        self._jobs = 0
         self._epoch = 0
         self._inflight = False
         self._write_log: list[tuple[int, torch.Tensor]] = []
@@ -395,8 +403,10 @@ class KeyValueEmbeddingBags(nn.Module):
         stream = torch.cuda.current_stream(self._device) if self._cuda else None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
-        future = self._executor.submit(self._prefetch_job, plan, indices_cpu, stream)
-        self._pending.append(_Pending(indices=indices, future=future))
+        job = self._jobs
+        self._jobs += 1
+        future = self._executor.submit(self._prefetch_job, plan, indices_cpu, stream, job)
+        self._pending.append(_Pending(indices=indices, future=future, job=job))
         self._metrics.prefetches += 1
 
     def wait_prefetch(self) -> None:
@@ -812,9 +822,16 @@ class KeyValueEmbeddingBags(nn.Module):
     def _take_prefetched(self, indices: torch.Tensor) -> dict[int, _TableGroup] | None:
         """Wait for the oldest pending prefetch; its grouping if it was for this very ``indices`` tensor."""
         if not self._pending:
+            with self._lock:
+                self._batch_tick = self._tick + 1  # this forward's own ticks
             return None
         pending = self._pending.popleft()
-        groups = pending.future.result()
+        try:
+            groups = pending.future.result()
+        finally:
+            with self._lock:
+                job_tick = self._job_ticks.pop(pending.job, None)
+                self._batch_tick = self._tick + 1 if job_tick is None else job_tick
         return groups if pending.indices is indices else None
 
     def _count_first_look(self, groups: dict[int, _TableGroup]) -> None:
@@ -1089,13 +1106,15 @@ class KeyValueEmbeddingBags(nn.Module):
     def _insert(
         self, table: int, ids: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, tick: int
     ) -> int:
-        """Cache as many of the (uncached) rows as fit, evicting the least used rows older than ``tick``. Lock held.
+        """Cache as many of the (uncached) rows as fit; lock held. Victims: the least used rows last touched
+        before ``tick``, the batch being served and every prefetched batch not yet served.
 
         Returns:
             How many rows (a prefix of ``ids``) were cached.
         """
         cache = self._caches[table]
-        free, victims = cache.choose_victims(ids.numel(), tick)
+        protect = min(tick, self._batch_tick, *self._job_ticks.values())
+        free, victims = cache.choose_victims(ids.numel(), protect)
         if victims.numel():
             dirty = victims[cache.dirty[victims]]
             if dirty.numel():
@@ -1121,11 +1140,14 @@ class KeyValueEmbeddingBags(nn.Module):
         if self._inflight:
             self._write_log.append((table, ids.clone()))
 
-    def _prefetch_job(self, plan: _Plan, indices_cpu: torch.Tensor, stream: Any) -> dict[int, _TableGroup]:
+    def _prefetch_job(
+        self, plan: _Plan, indices_cpu: torch.Tensor, stream: Any, job: int
+    ) -> dict[int, _TableGroup]:
         groups = self._group(plan, indices_cpu)
         misses: dict[int, torch.Tensor] = {}
         with self._lock:
             tick = self._next_tick()
+            self._job_ticks[job] = tick
             for table, group in groups.items():
                 cache = self._caches[table]
                 slots = cache.lookup(group.unique)
