@@ -199,6 +199,8 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
         if name in modules:
             m = modules[name].metrics()
             row["cache_hit_rate"] = m["cache_hit_rate"]
+            row["forward_hit_rate"] = m["forward_hit_rate"]
+            row["store_rows_written_per_step"] = m["store_rows_written"] / case.steps
             row["store_read_rows_per_s"] = m["store_read_rows_per_s"]
             row["store_write_rows_per_s"] = m["store_write_rows_per_s"]
             row["store_rows_read_per_step"] = m["store_rows_read"] / case.steps
