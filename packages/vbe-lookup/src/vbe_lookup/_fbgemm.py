@@ -221,7 +221,7 @@ def install_vbe_metadata_cache(kernel: Any) -> None:
             return original(*args, **kwargs)
         vbe_output_offsets = bound.get("vbe_output_offsets")
         key = (
-            tuple(tuple(row) for row in batch_sizes),
+            tuple(map(tuple, batch_sizes)),
             offsets.device,
             None if vbe_output_offsets is None else (id(vbe_output_offsets), vbe_output_offsets.data_ptr()),
         )

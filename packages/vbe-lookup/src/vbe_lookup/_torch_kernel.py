@@ -376,13 +376,7 @@ class TorchEmbeddingKernel(nn.Module):
                 f"and {tuple(offsets.shape)}"
             )
         batch_sizes = batch_size_per_feature_per_rank
-        if batch_sizes is not None:
-            batch_sizes = [[int(b) for b in row] for row in batch_sizes]
-            if len(batch_sizes) != self.num_features or sum(sum(row) for row in batch_sizes) != num_bags:
-                raise BatchLayoutError(
-                    f"`batch_size_per_feature_per_rank` must have {self.num_features} rows summing to the "
-                    f"{num_bags} bags of `offsets`, got {batch_sizes}"
-                )
+        layout = self._checked_layout(num_bags, batch_sizes, indices.device)
         if (vbe_output is None) != (vbe_output_offsets is None):
             raise BatchLayoutError("`vbe_output` and `vbe_output_offsets` must be given together")
         if vbe_output is not None and vbe_output_offsets is not None:
@@ -400,7 +394,6 @@ class TorchEmbeddingKernel(nn.Module):
                     f"got {tuple(vbe_output_offsets.shape)}"
                 )
         if self.optimizer is None:
-            layout = self._layout(num_bags, batch_sizes, indices.device)
             plan = _Plan(self, layout, indices, offsets, per_sample_weights, vbe_output_offsets)
             weights = [self._weights(g_i) for g_i in range(len(self._dim_groups))]
             if vbe_output is None:
@@ -408,8 +401,27 @@ class TorchEmbeddingKernel(nn.Module):
                 return pooled
             return plan.write_into(vbe_output, weights)
         return _fused_lookup(
-            self, num_bags, batch_sizes, indices, offsets, per_sample_weights, vbe_output, vbe_output_offsets
+            self, layout, indices, offsets, per_sample_weights, vbe_output, vbe_output_offsets
         )
+
+    @eager_only  # host-side metadata, cached per layout: keep it out of graphs
+    def _checked_layout(
+        self, num_bags: int, batch_sizes: list[list[int]] | None, device: torch.device
+    ) -> _Layout:
+        """The cached layout of these batch sizes; validated only when first seen (a cached layout was)."""
+        if batch_sizes is not None:
+            key = (num_bags, tuple(map(tuple, batch_sizes)), device)
+            hit = self._layouts.get(key)
+            if hit is not None:
+                self._layouts.move_to_end(key)
+                return hit
+            batch_sizes = [[int(b) for b in row] for row in batch_sizes]
+            if len(batch_sizes) != self.num_features or sum(sum(row) for row in batch_sizes) != num_bags:
+                raise BatchLayoutError(
+                    f"`batch_size_per_feature_per_rank` must have {self.num_features} rows summing to the "
+                    f"{num_bags} bags of `offsets`, got {batch_sizes}"
+                )
+        return self._layout(num_bags, batch_sizes, device)
 
     def extra_repr(self) -> str:
         return (
@@ -422,8 +434,7 @@ class TorchEmbeddingKernel(nn.Module):
 @eager_only
 def _fused_lookup(
     kernel: TorchEmbeddingKernel,
-    num_bags: int,
-    batch_sizes: list[list[int]] | None,
+    layout: _Layout,
     indices: torch.Tensor,
     offsets: torch.Tensor,
     per_sample_weights: torch.Tensor | None,
@@ -432,7 +443,6 @@ def _fused_lookup(
 ) -> torch.Tensor:
     """The fused-optimizer lookup. Under ``torch.compile`` it runs as one opaque eager region, like
     fbgemm's TBE operator: its backward updates tables in place, which graphs cannot express."""
-    layout = kernel._layout(num_bags, batch_sizes, indices.device)
     plan = _Plan(kernel, layout, indices, offsets, per_sample_weights, vbe_output_offsets)
     # A 0-element input that requires grad, so the fused backward runs even when nothing else does.
     placeholder = torch.zeros(0, device=indices.device, requires_grad=True)
