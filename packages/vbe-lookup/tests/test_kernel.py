@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from vbe_lookup import EmbeddingKernel, TorchEmbeddingKernel, VBEFeatures, _fbgemm
@@ -43,6 +43,20 @@ def kernel_cases(draw: Any) -> dict[str, Any]:
 
 @settings(max_examples=20, deadline=None)
 @given(case=kernel_cases())
+@example(  # non-VBE rows of sum(dims) = 5 elements: the placement granule must divide the row stride
+    case={
+        "rows": [1, 1, 1],
+        "dims": [4, 1, 1],
+        "ftm": [0, 1],
+        "stride": [[0], [0]],
+        "pooling": "sum",
+        "optimizer": "sgd",
+        "weighted": False,
+        "vbe": False,
+        "index_dtype": torch.int32,
+        "seed": 0,
+    }
+)
 def test_matches_reference_forward_backward(case: dict[str, Any]) -> None:
     """Output, per-sample-weight gradients and tables after two steps equal the EmbeddingBag reference."""
     rows, dims, ftm = case["rows"], case["dims"], case["ftm"]

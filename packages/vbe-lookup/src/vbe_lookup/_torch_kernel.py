@@ -67,6 +67,7 @@ class _Layout:
 
     num_bags: int
     bag_feature: torch.Tensor  # [num_bags] long
+    bag_ids: torch.Tensor  # [num_bags] long: arange(num_bags), kept on the device
     groups: tuple[_GroupLayout | None, ...]  # per dim group; None when it has no bag
     output_size: int
     output_shape: tuple[int, ...]
@@ -270,6 +271,7 @@ class TorchEmbeddingKernel(nn.Module):
             local = sample * total_dim
             output_size, num_ranks = batch * total_dim, 1
             output_shape: tuple[int, ...] = (batch, total_dim)
+            sample_stride = total_dim  # bags of one feature are `total_dim` apart: the granule divides it
         else:
             num_ranks = len(batch_sizes[0]) if batch_sizes else 0
             per_feature = [sum(row) for row in batch_sizes]
@@ -308,6 +310,7 @@ class TorchEmbeddingKernel(nn.Module):
             local = sample * dim_t[bag_feature]
             output_size = int(sizes.sum())
             output_shape = (output_size,)
+            sample_stride = 0  # bags of a block are `dim` apart, which the granule divides
         feature_group = torch.tensor(self._feature_group, dtype=torch.long)
         groups: list[_GroupLayout | None] = []
         for g_i, g in enumerate(self._dim_groups):
@@ -317,7 +320,7 @@ class TorchEmbeddingKernel(nn.Module):
                 groups.append(None)
                 continue
             blocks, starts = block_of_bag[bag_index], local[bag_index]
-            granule = math.gcd(g.dim, output_size, *set(block_start[blocks].tolist()))
+            granule = math.gcd(g.dim, output_size, sample_stride, *set(block_start[blocks].tolist()))
             positions = _granule_rows(block_start[blocks] + starts, g.dim, granule)
             single = len(self._dim_groups) == 1
             local_of_bag = torch.zeros(num_bags, dtype=torch.long)
@@ -336,6 +339,7 @@ class TorchEmbeddingKernel(nn.Module):
         return _Layout(
             num_bags=num_bags,
             bag_feature=bag_feature.to(device),
+            bag_ids=torch.arange(num_bags, device=device),
             groups=tuple(groups),
             output_size=output_size,
             output_shape=output_shape,
@@ -504,9 +508,7 @@ class _Plan:
         self.offsets = offsets.to(torch.long)
         self.bag_lengths = self.offsets[1:] - self.offsets[:-1]
         # Bag and feature of every id, without a host sync (output_size is known from the shape).
-        self.bag_of_id = torch.repeat_interleave(
-            torch.arange(layout.num_bags, device=indices.device), self.bag_lengths, output_size=nnz
-        )
+        self.bag_of_id = torch.repeat_interleave(layout.bag_ids, self.bag_lengths, output_size=nnz)
         feature_of_id = layout.bag_feature.index_select(0, self.bag_of_id)
         self.rows = indices.to(torch.long) + kernel._feature_row_offset_t.index_select(0, feature_of_id)
         self.multi_group = len(kernel._dim_groups) > 1
