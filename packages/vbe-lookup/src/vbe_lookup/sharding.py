@@ -289,6 +289,11 @@ class _ShardedModule(nn.Module):
         self._queue: collections.deque[DistributedFeatures] = collections.deque()
         self.register_state_dict_post_hook(_state_dict_post_hook)  # type: ignore[no-untyped-call]  # untyped in torch
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)  # type: ignore[no-untyped-call]  # untyped in torch
+        self._init_output_dist()
+
+    def _init_output_dist(self) -> None:
+        """Create ``self._output_dist`` (pooled or sequence); each concrete module defines it."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ description
     def extra_repr(self) -> str:
@@ -585,26 +590,7 @@ class ShardedEmbeddingBags(_ShardedModule):
     training, run ``backward`` on a loss that depends on the output (an empty local batch included).
     """
 
-    def __init__(
-        self,
-        tables: Sequence[TableConfig],
-        plan: ShardingPlan,
-        process_group: dist.ProcessGroup | None = None,
-        *,
-        kernel_factory: KernelFactory | None = None,
-        device: torch.device | str | None = None,
-        output_dtype: torch.dtype | None = None,
-        timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
-    ) -> None:
-        super().__init__(
-            tables,
-            plan,
-            process_group,
-            kernel_factory=kernel_factory,
-            device=device,
-            output_dtype=output_dtype,
-            timeout=timeout,
-        )
+    def _init_output_dist(self) -> None:
         self._output_dist = PooledOutputDist(self.layout, self._comm)
 
     def _kernel_features(self, dist_features: DistributedFeatures) -> VBEFeatures:
@@ -632,26 +618,7 @@ class ShardedSequenceEmbeddings(_ShardedModule):
     bag of one, so any ``EmbeddingKernel`` serves sequence lookups. Per-id weights are ignored.
     """
 
-    def __init__(
-        self,
-        tables: Sequence[TableConfig],
-        plan: ShardingPlan,
-        process_group: dist.ProcessGroup | None = None,
-        *,
-        kernel_factory: KernelFactory | None = None,
-        device: torch.device | str | None = None,
-        output_dtype: torch.dtype | None = None,
-        timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
-    ) -> None:
-        super().__init__(
-            tables,
-            plan,
-            process_group,
-            kernel_factory=kernel_factory,
-            device=device,
-            output_dtype=output_dtype,
-            timeout=timeout,
-        )
+    def _init_output_dist(self) -> None:
         self._output_dist = SequenceOutputDist(self.layout, self._comm)
 
     def _kernel_features(self, dist_features: DistributedFeatures) -> VBEFeatures:
