@@ -17,6 +17,11 @@ def test_quick_bench_writes_json(tmp_path: Path) -> None:
     assert {"version", "device", "torch", "results"} <= set(payload)
     assert {r["case"] for r in rows} == {"fwd", "fwd+bwd"}
     impls = {r["impl"] for r in rows}
-    assert {"slice+cat (generic)", "kt_regroup.regroup[torch]", "kt_regroup.KTRegroupAsDict"} <= impls
+    assert {
+        "torchrec generic (cat+split)",
+        "slice+cat per group",
+        "kt_regroup.regroup[torch]",
+        "kt_regroup.KTRegroupAsDict",
+    } <= impls
     for row in payload["results"]:
         assert {"case", "impl", "median_ms", "p10_ms", "p90_ms", "peak_mem_bytes"} <= set(row)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from kt_regroup._backend import available_backends
+from kt_regroup._host_pool import release_host_buffers
 from kt_regroup._keyed_tensor import KeyedTensor
 from kt_regroup._regroup import KTRegroupAsDict, regroup, regroup_as_dict
 from kt_regroup._version import __version__
@@ -41,4 +42,5 @@ __all__ = [
     "available_backends",
     "regroup",
     "regroup_as_dict",
+    "release_host_buffers",
 ]

@@ -8,7 +8,8 @@ contiguous copies of ``unit`` elements, no per-key Python loop. ``key_dim == 1``
 On CPU, where the copies themselves dominate, the forward (and the first-occurrence part of the
 backward) is instead one ``torch.cat`` per output over views from one ``torch.split`` per input: a
 single memory pass even when a group mixes inputs; the views are picked with a precomputed
-``operator.itemgetter`` (C-level, no per-key Python loop).
+``operator.itemgetter`` (C-level, no per-key Python loop). The cat writes into a recycled host buffer
+(:mod:`kt_regroup._host_pool`): a fresh one would cost more in page faults than the copy itself.
 
 The backward writes each input block with ``index_copy_`` from the first occurrence of its key and then
 adds later occurrences round by round (each round touches distinct blocks): no atomics, the same bits on
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kt_regroup._host_pool import host_empty
 from kt_regroup._plan import TorchMeta, decode_torch_meta
 
 # The split + cat path runs on these device types (tests turn it off to cover the index path on CPU).
@@ -70,20 +72,25 @@ def _getter(indices: tuple[int, ...]) -> Callable[[Any], tuple[Any, ...]]:
     return getter
 
 
-def _cat(pieces: tuple[torch.Tensor, ...], like: torch.Tensor, key_dim: int, batch: int) -> torch.Tensor:
+def _cat(
+    pieces: tuple[torch.Tensor, ...], like: torch.Tensor, key_dim: int, batch: int, width: int
+) -> torch.Tensor:
+    """``torch.cat`` of ``pieces`` along ``key_dim`` into a recycled host buffer of ``width`` columns."""
+    shape = (batch, width) if key_dim == 1 else (width, batch)
     if not pieces:
-        return like.new_empty((batch, 0) if key_dim == 1 else (0, batch))
-    return torch.cat(pieces, dim=key_dim)
+        return like.new_empty(shape)
+    return torch.cat(pieces, dim=key_dim, out=host_empty(shape, like.dtype))
 
 
 def _cat_forward(
-    values: Sequence[torch.Tensor], decoded: TorchMeta, key_dim: int, batch: int
+    values: Sequence[torch.Tensor], decoded: TorchMeta, out_lengths: Sequence[int], key_dim: int, batch: int
 ) -> list[torch.Tensor]:
     pieces: list[torch.Tensor] = []
     for value, lengths in zip(values, decoded.key_lengths, strict=True):
         pieces.extend(torch.split(value, list(lengths), dim=key_dim))
     return [
-        _cat(_getter(keys)(pieces) if keys else (), values[0], key_dim, batch) for keys in decoded.group_keys
+        _cat(_getter(keys)(pieces) if keys else (), values[0], key_dim, batch, width)
+        for keys, width in zip(decoded.group_keys, out_lengths, strict=True)
     ]
 
 
@@ -99,7 +106,7 @@ def torch_forward(
     unit = decoded.unit
     batch = values[0].size(1 - key_dim)
     if values[0].device.type in CAT_DEVICES:
-        return _cat_forward(values, decoded, key_dim, batch)
+        return _cat_forward(values, decoded, out_lengths, key_dim, batch)
     views = [_block_view(v, key_dim, unit) for v in values]
     outputs = []
     for group, width in enumerate(out_lengths):
@@ -136,13 +143,13 @@ def torch_backward(
             pieces.extend(torch.split(grad, list(lengths), dim=key_dim))
         if decoded.skipped_lengths:
             width = sum(decoded.skipped_lengths)
-            zeros = grads[0].new_zeros((batch, width) if key_dim == 1 else (width, batch))
+            zeros = host_empty((batch, width) if key_dim == 1 else (width, batch), grads[0].dtype).zero_()
             pieces.extend(torch.split(zeros, list(decoded.skipped_lengths), dim=key_dim))
     results = []
     for input_index, width in enumerate(in_lengths):
         if first_by_cat:
             order = decoded.input_order[input_index]
-            first = _cat(_getter(order)(pieces) if order else (), grads[0], key_dim, batch)
+            first = _cat(_getter(order)(pieces) if order else (), grads[0], key_dim, batch, width)
             blocks = _block_view(first.to(acc), key_dim, unit)
         else:
             blocks = _empty_blocks(

@@ -1,0 +1,68 @@
+"""The recycled host buffers of the CPU torch path: reused only when nothing else refers to them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kt_regroup import KeyedTensor, KTRegroupAsDict, regroup, release_host_buffers
+from kt_regroup._host_pool import MIN_BYTES, host_empty
+
+_ROWS = 64
+_COLS = MIN_BYTES // (4 * _ROWS)  # one pooled fp32 buffer
+
+
+def _kt(seed: int, requires_grad: bool = False) -> KeyedTensor:
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(_ROWS, 2 * _COLS, generator=gen).requires_grad_(requires_grad)
+    return KeyedTensor(["a", "b"], [_COLS, _COLS], values)
+
+
+def test_storage_is_reused_once_released() -> None:
+    release_host_buffers()
+    first = host_empty((_ROWS, _COLS), torch.float32)
+    address = first.data_ptr()
+    del first
+    again = host_empty((_ROWS, _COLS), torch.float32)
+    assert again.data_ptr() == address
+    assert again._base is None  # a plain tensor, not a view of a pool tensor
+
+
+def test_live_outputs_are_never_overwritten() -> None:
+    release_host_buffers()
+    kept = regroup([_kt(0)], [["b", "a"]], backend="torch")[0]
+    expected = kept.clone()
+    later = regroup([_kt(1)], [["b", "a"]], backend="torch")[0]
+    assert later.data_ptr() != kept.data_ptr()
+    torch.testing.assert_close(kept, expected, rtol=0, atol=0)
+
+
+def test_steady_state_training_reuses_buffers_and_stays_exact() -> None:
+    release_host_buffers()
+    module = KTRegroupAsDict([["b", "a"], ["a"]], ["x", "y"], backend="torch")
+    pointers = []
+    for seed in range(3):
+        kt = _kt(seed, requires_grad=True)
+        out = module([kt])
+        pointers.append(out["x"].data_ptr())
+        (out["x"].sum() + 2 * out["y"].sum()).backward()
+        grad = kt.values().grad
+        assert grad is not None
+        torch.testing.assert_close(grad[:, :_COLS], torch.full_like(grad[:, :_COLS], 3.0), rtol=0, atol=0)
+        torch.testing.assert_close(grad[:, _COLS:], torch.ones_like(grad[:, _COLS:]), rtol=0, atol=0)
+        reference = torch.cat([kt.values()[:, _COLS:], kt.values()[:, :_COLS]], dim=1)
+        torch.testing.assert_close(out["x"], reference, rtol=0, atol=0)
+        del out, grad, kt
+    assert pointers[1] == pointers[2]
+
+
+def test_pool_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KT_REGROUP_HOST_POOL_MB", "0")
+    first = host_empty((_ROWS, _COLS), torch.float32)
+    assert first.untyped_storage().nbytes() == MIN_BYTES
+
+
+def test_bad_pool_size_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KT_REGROUP_HOST_POOL_MB", "lots")
+    with pytest.raises(ValueError, match="KT_REGROUP_HOST_POOL_MB"):
+        host_empty((_ROWS, _COLS), torch.float32)
