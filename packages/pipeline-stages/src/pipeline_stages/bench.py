@@ -109,6 +109,26 @@ def _batches(device: _Device) -> Iterator[torch.Tensor]:
         yield template
 
 
+class _Batch:
+    """A DLRM-like batch of several tensors (dense, ids, lengths, weights, labels, ...): torchrec's Pipelineable."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> _Batch:
+        return _Batch([t.to(device, non_blocking=non_blocking) for t in self.tensors])
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        for t in self.tensors:
+            t.record_stream(stream)
+
+
+def _multi_tensor_batches(device: _Device, count: int) -> Iterator[_Batch]:
+    batch = _Batch([torch.zeros(16, device="cuda" if device.cuda else "cpu") for _ in range(count)])
+    while True:
+        yield batch
+
+
 def _overlap_impls(
     device: _Device, costs: list[float], model_ms: float, steps: int
 ) -> dict[str, Callable[[], float]]:
@@ -147,7 +167,9 @@ def _overlap_impls(
     return {"staged": staged, "sequential": sequential}
 
 
-def _overhead_impls(device: _Device, steps: int) -> dict[str, Callable[[], float]]:
+def _overhead_impls(
+    device: _Device, steps: int, batches: Callable[[], Iterator[Any]]
+) -> dict[str, Callable[[], float]]:
     def identity(batch: Any) -> Any:
         return batch
 
@@ -155,13 +177,13 @@ def _overhead_impls(device: _Device, steps: int) -> dict[str, Callable[[], float
         pipeline = StagedTrainPipeline(
             [PipelineStage(f"stage{i}", identity, stream=device.stream()) for i in range(3)]
         )
-        it = _batches(device)
+        it = batches()
         for _ in range(5):
             pipeline.progress(it)
         return device.host_block(lambda: pipeline.progress(it), steps)
 
     def direct() -> float:
-        it = _batches(device)
+        it = batches()
 
         def step() -> None:
             batch = next(it)
@@ -177,7 +199,7 @@ def _overhead_impls(device: _Device, steps: int) -> dict[str, Callable[[], float
         def torchrec() -> float:
             assert torchrec_pipeline is not None
             pipeline = torchrec_pipeline()
-            it = _batches(device)
+            it = batches()
             for _ in range(5):
                 pipeline.progress(it)
             return device.host_block(lambda: pipeline.progress(it), steps)
@@ -194,11 +216,19 @@ def _torchrec_pipeline_factory(device: _Device, identity: Callable[[Any], Any]) 
         from torchrec.distributed.train_pipeline import (  # optional baseline, benchmark only
             StagedTrainPipeline as TorchrecPipeline,
         )
-        from torchrec.distributed.train_pipeline.utils import (
-            PipelineStage as TorchrecStage,
-        )
     except Exception:  # torchrec missing or broken against this torch/fbgemm: skip the row
         return None
+    try:  # torchrec >= 1.3 keeps the stage in its own module
+        from torchrec.distributed.train_pipeline.pipeline_stage import (
+            PipelineStage as TorchrecStage,
+        )
+    except ImportError:
+        try:
+            from torchrec.distributed.train_pipeline.utils import (
+                PipelineStage as TorchrecStage,
+            )
+        except ImportError:
+            return None
 
     def make() -> Any:
         return TorchrecPipeline([TorchrecStage(f"stage{i}", identity, device.stream()) for i in range(3)])
@@ -239,7 +269,16 @@ def run(device_kind: str, *, quick: bool) -> dict[str, Any]:
             "target_ms": round(1.05 * (max(costs) + model_ms), 4),
         }
         cases.append((label, _overlap_impls(device, costs, model_ms, steps), extra))
-    cases.append(("progress_overhead/3_stages", _overhead_impls(device, overhead_steps), {}))
+    cases.append(
+        ("progress_overhead/3_stages", _overhead_impls(device, overhead_steps, lambda: _batches(device)), {})
+    )
+    cases.append(
+        (
+            "progress_overhead/3_stages_8_tensors",
+            _overhead_impls(device, overhead_steps, lambda: _multi_tensor_batches(device, 8)),
+            {},
+        )
+    )
 
     results: list[dict[str, Any]] = []
     for case, impls, extra in cases:
