@@ -51,6 +51,20 @@ def _layouts(draw: st.DrawFn) -> tuple[list[list[str]], list[list[int]], list[li
 
 
 @pytest.mark.parametrize("backend", CUDA_BACKENDS, ids=CUDA_BACKENDS)
+@pytest.mark.parametrize("key_dim", [0, 1])
+def test_cuda_empty_batch(backend: str, key_dim: int) -> None:
+    """Batch 0 gives ``[0, width]`` outputs and ``[0, width]`` gradients (fbgemm's kernel rejects an empty grid)."""
+    _need(backend)
+    kts = make_kts([["a", "b"]], [[16, 8]], 0, torch.float32, key_dim, device="cuda")
+    outputs = regroup(kts, [["b", "a"], ["a"]], backend=backend)
+    widths = [24, 16]
+    assert [tuple(o.shape) for o in outputs] == [(0, w) if key_dim == 1 else (w, 0) for w in widths]
+    run_backward(outputs)
+    grad = kts[0].values().grad
+    assert grad is None or grad.numel() == 0
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS, ids=CUDA_BACKENDS)
 @settings(max_examples=25, deadline=None)
 @given(
     layout=_layouts(),

@@ -39,6 +39,8 @@ def forward_impl(
     backend: int,
 ) -> list[torch.Tensor]:
     """Run the forward kernel of ``backend`` (no autograd)."""
+    if backend == _FBGEMM and values[0].size(1 - key_dim) == 0:
+        return _shapes(values[0], out_lengths, key_dim)  # fbgemm's CUDA kernel rejects an empty grid
     if backend == _FBGEMM:
         from kt_regroup._fbgemm import permute_multi_embedding_function
 
@@ -62,6 +64,8 @@ def backward_impl(
     backend: int,
 ) -> list[torch.Tensor]:
     """Run the backward kernel of ``backend`` (no autograd)."""
+    if backend == _FBGEMM and grads[0].size(1 - key_dim) == 0:
+        return _shapes(grads[0], in_lengths, key_dim)
     if backend == _FBGEMM:
         from kt_regroup._fbgemm import permute_multi_embedding_function
 
