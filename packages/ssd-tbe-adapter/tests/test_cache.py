@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ssd_tbe_adapter._cache import TableCache
+from ssd_tbe_adapter._module import _sort_with_order
 
 
 def _cache_with(ids: list[int]) -> TableCache:
@@ -35,3 +39,41 @@ def test_rows_of_the_current_batch_stay() -> None:
     free, victims = cache.choose_victims(2, tick=7)
     assert free.numel() == 0
     assert victims.numel() == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rounds=st.lists(
+        st.lists(st.integers(-(2**63), 2**63 - 1), max_size=12, unique=True), min_size=1, max_size=6
+    ),
+    capacity=st.integers(0, 8),
+)
+def test_incremental_index_matches_the_valid_slots(rounds: list[list[int]], capacity: int) -> None:
+    cache = TableCache(capacity, 2, torch.float32, 0, torch.device("cpu"))
+    for tick, ids in enumerate(rounds, start=1):
+        query = torch.tensor(ids, dtype=torch.int64)
+        missing = query[cache.lookup(query) < 0]
+        free, victims = cache.choose_victims(missing.numel(), tick=tick)
+        cache.drop(victims, reindex=False)
+        slots = torch.cat([free, victims])
+        count = slots.numel()
+        cache.fill(slots, missing[:count], torch.zeros(count, 2), torch.zeros(count, 0), tick=tick)
+        valid = cache.valid.nonzero().flatten()
+        expected = sorted(zip(cache.slot_ids[valid].tolist(), valid.tolist(), strict=True))
+        assert list(zip(cache.sorted_ids.tolist(), cache.sorted_slots.tolist(), strict=True)) == expected
+        assert cache.lookup(missing[:count]).tolist() == slots.tolist()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ids=st.lists(
+        st.one_of(st.integers(-(2**63), 2**63 - 1), st.integers(-5, 50), st.integers(2**40, 2**40 + 9)),
+        max_size=40,
+    )
+)
+def test_sort_with_order(ids: list[int]) -> None:
+    array = np.array(ids, dtype=np.int64)
+    order, sorted_ids = _sort_with_order(array)
+    assert sorted_ids.tolist() == sorted(ids)
+    assert array[order].tolist() == sorted(ids)
+    assert sorted(order.tolist()) == list(range(len(ids)))

@@ -151,6 +151,8 @@ class _Plan:
     # VBE blocks per feature: (first bag within the feature, bags, output element offset)
     blocks: list[list[tuple[int, int, int]]] = field(default_factory=list)
     output_numel: int = 0
+    # per table whose unique rows were all cached at forward: their slots (backward checks they still are)
+    slots: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class _KVBagFunction(torch.autograd.Function):
@@ -788,24 +790,26 @@ class KeyValueEmbeddingBags(nn.Module):
                 base += bags
             ids = parts[0] if len(parts) == 1 else torch.cat(parts)
             lookup_bags = bag_parts[0] if len(bag_parts) == 1 else torch.cat(bag_parts)
-            # One sort gives the unique ids, the inverse and the transpose together.
-            # numpy's sort is several times faster than torch's on the CPU. The order within one id does not
-            # matter (it only orders the terms of that row's gradient sum).
-            order = torch.from_numpy(np.argsort(ids.numpy()))
-            sorted_ids = ids.index_select(0, order)
-            unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-            inverse = torch.empty_like(ids)
-            inverse[order] = torch.repeat_interleave(
-                torch.arange(unique.numel(), dtype=torch.int64), counts, output_size=ids.numel()
-            )
-            row_offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64)
-            torch.cumsum(counts, 0, out=row_offsets[1:])
+            # One sort gives the unique ids, the inverse and the transpose together (numpy, no per-id
+            # Python). The order within one id does not matter (it only orders the terms of that row's
+            # gradient sum).
+            order_np, sorted_np = _sort_with_order(ids.numpy())
+            n = sorted_np.shape[0]
+            is_first = np.empty(n, dtype=np.bool_)
+            if n:
+                is_first[0] = True
+                np.not_equal(sorted_np[1:], sorted_np[:-1], out=is_first[1:])
+            starts = np.flatnonzero(is_first)
+            inverse_np = np.empty(n, dtype=np.int64)
+            inverse_np[order_np] = np.cumsum(is_first, dtype=np.int64) - 1
+            inverse = torch.from_numpy(inverse_np)
+            order = torch.from_numpy(order_np)
             groups[table] = _TableGroup(
-                unique=unique,
+                unique=torch.from_numpy(sorted_np[starts]),
                 inverse=list(inverse.split_with_sizes([p.numel() for p in parts])),
                 order=order,
-                sorted_bags=lookup_bags[order],
-                row_offsets=row_offsets,
+                sorted_bags=lookup_bags.index_select(0, order),
+                row_offsets=torch.from_numpy(np.append(starts, n)),
             )
         return groups
 
@@ -850,7 +854,7 @@ class KeyValueEmbeddingBags(nn.Module):
         per_sample_weights: torch.Tensor | None,
         vbe_output: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        rows = {table: self._gather(table, group.unique) for table, group in plan.groups.items()}
+        rows = {table: self._gather(table, group.unique, plan.slots) for table, group in plan.groups.items()}
         if plan.vbe:
             output = (
                 vbe_output
@@ -981,7 +985,7 @@ class KeyValueEmbeddingBags(nn.Module):
                 )
             else:
                 grad_rows = source.new_zeros(0, source.shape[1])
-            self._apply_update(table, group.unique, grad_rows)
+            self._apply_update(table, group.unique, grad_rows, plan.slots.get(table))
         return grad_psw
 
     # ------------------------------------------------------------------ cache <-> store
@@ -990,25 +994,35 @@ class KeyValueEmbeddingBags(nn.Module):
         self._tick += 1
         return self._tick
 
-    def _gather(self, table: int, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``[U, D]`` float32 on the device for unique ``ids``; misses are fetched (and cached if they fit)."""
+    def _gather(self, table: int, ids: torch.Tensor, hints: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Rows ``[U, D]`` float32 on the device for unique ``ids``; misses are fetched (and cached if they fit).
+
+        When every row was cached, records their slots in ``hints[table]`` for backward.
+        """
         cache = self._caches[table]
         with self._lock:
             self._wait_insert_event()
             tick = self._next_tick()
             slots = cache.lookup(ids)
-            hit_positions = (slots >= 0).nonzero().flatten()
-            hit_slots = slots.index_select(0, hit_positions)
+            all_hit = bool((slots >= 0).all())
+            if all_hit:
+                hit_positions = None
+                hit_slots = slots
+                hints[table] = slots
+            else:
+                hit_positions = (slots >= 0).nonzero().flatten()
+                hit_slots = slots.index_select(0, hit_positions)
             cache.touch(hit_slots, tick)
             n_hit = hit_slots.numel()
             self._metrics.forward_lookups += ids.numel()
             self._metrics.forward_hits += n_hit
-            if n_hit == ids.numel():
+            if hit_positions is None:
                 rows = select_rows(cache.weights, hit_slots.to(self._device, non_blocking=True))
                 rows = rows.to(torch.float32)
             else:
                 rows = torch.empty(ids.numel(), self._dims[table], dtype=torch.float32, device=self._device)
                 if n_hit:
+                    assert hit_positions is not None
                     copy_rows(
                         rows,
                         hit_positions.to(self._device, non_blocking=True),
@@ -1030,12 +1044,27 @@ class KeyValueEmbeddingBags(nn.Module):
             self._record_main_event()
         return rows
 
-    def _apply_update(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """Apply the optimizer to the current value of each row of ``ids``, wherever it lives now."""
+    def _apply_update(
+        self, table: int, ids: torch.Tensor, grads: torch.Tensor, hint: torch.Tensor | None = None
+    ) -> None:
+        """Apply the optimizer to the current value of each row of ``ids``, wherever it lives now.
+
+        ``hint``: the slots forward found for ``ids``; used only if each still holds its id (one gather and
+        compare instead of an index search).
+        """
         cache = self._caches[table]
         with self._lock:
             self._wait_insert_event()
-            slots = cache.lookup(ids)
+            slots = None
+            if (
+                hint is not None
+                and hint.numel() == ids.numel()
+                and bool(cache.valid.index_select(0, hint).all())
+                and torch.equal(cache.slot_ids.index_select(0, hint), ids)
+            ):
+                slots = hint
+            if slots is None:
+                slots = cache.lookup(ids)
             if ids.numel() and bool((slots >= 0).all()):
                 hit_positions = None
                 hit_slots = slots
@@ -1081,8 +1110,9 @@ class KeyValueEmbeddingBags(nn.Module):
         if self.optimizer == "sgd":
             return weights.add_(grads, alpha=-self.learning_rate), state
         state = state + grads.square().mean(dim=1, keepdim=True)
-        scale = (self.learning_rate / (state.sqrt() + self.eps)).expand_as(grads)
-        return weights.sub_(scale * grads), state
+        # -lr / (sqrt(state) + eps), computed as torch computes ``scalar / tensor`` (reciprocal, then scale).
+        scale = state.sqrt().add_(self.eps).reciprocal_().mul_(-self.learning_rate)
+        return weights.addcmul_(grads, scale), state
 
     def _read_rows(self, table: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``ids`` from the store, initialised where absent: (``[K, D]`` weight dtype, ``[K, S]``) host."""
@@ -1116,11 +1146,13 @@ class KeyValueEmbeddingBags(nn.Module):
         protect = min(tick, self._batch_tick, *self._job_ticks.values())
         free, victims = cache.choose_victims(ids.numel(), protect)
         if victims.numel():
-            dirty = victims[cache.dirty[victims]]
+            dirty = victims[cache.dirty.index_select(0, victims)]
             if dirty.numel():
                 device_slots = dirty.to(self._device)
-                records = self._encode(table, cache.weights[device_slots], cache.state[device_slots])
-                self._store_put(table, cache.slot_ids[dirty], records)
+                records = self._encode(
+                    table, select_rows(cache.weights, device_slots), select_rows(cache.state, device_slots)
+                )
+                self._store_put(table, cache.slot_ids.index_select(0, dirty), records)
                 self._metrics.written_back_rows += dirty.numel()
             self._metrics.evicted_rows += victims.numel()
             cache.drop(victims, reindex=False)
@@ -1267,6 +1299,34 @@ class _NullContext:
 
 def _maybe_stream(stream: Any) -> Any:
     return torch.cuda.stream(stream) if stream is not None else _NullContext()
+
+
+def _sort_with_order(
+    ids: np.ndarray[Any, np.dtype[np.int64]],
+) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
+    """``(order, ids[order])`` with ``ids[order]`` ascending (order among equal ids unspecified).
+
+    When the id range and the positions fit together in 63 bits (ids of a few billion rows), sorts
+    ``(id - min) << bits | position`` keys with one ``np.sort``, about 3x faster than ``np.argsort``;
+    otherwise falls back to ``np.argsort``.
+    """
+    n = ids.shape[0]
+    if n < 2:
+        return np.arange(n, dtype=np.int64), ids.copy()
+    low, high = int(ids.min()), int(ids.max())
+    bits = (n - 1).bit_length()
+    if (high - low) >> (63 - bits):
+        order = np.argsort(ids)
+        return order, ids[order]
+    keys = ids - low if low else ids.copy()
+    keys <<= bits
+    keys |= np.arange(n, dtype=np.int64)
+    keys.sort()
+    order = keys & ((1 << bits) - 1)
+    keys >>= bits
+    if low:
+        keys += low
+    return order, keys
 
 
 def _round4(n: int) -> int:

