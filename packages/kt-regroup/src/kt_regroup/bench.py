@@ -1,8 +1,10 @@
 """Benchmark: ``python -m kt_regroup.bench [--batch 1024 ...] [--json PATH] [--plot PATH] [--quick]``.
 
 Compares, in one run, interleaved, medians: torchrec's generic fallback (``KeyedTensor.regroup``: split per
-key, one cat over every group, split; written here), a leaner split + one cat per group, fbgemm's ``permute_pooled_embs`` path and ``permute_multi_embedding`` (when fbgemm imports), each of our
-backends through :func:`kt_regroup.regroup`, and a cached :class:`kt_regroup.KTRegroupAsDict`; forward and
+key, one cat over every group, split; written here), a leaner split + one cat per group, fbgemm's
+``permute_pooled_embs`` path and ``permute_multi_embedding`` (when fbgemm imports), each of our backends
+through :func:`kt_regroup.regroup`, a cached :class:`kt_regroup.KTRegroupAsDict`, and (when torchrec imports;
+never a dependency) torchrec's own ``KTRegroupAsDict`` and ``KeyedTensor.regroup``; forward and
 forward+backward. Columns: host time, GPU time (CUDA events), peak GPU memory and, on CUDA, the achieved
 bandwidth (bytes read + written) as a fraction of a measured device-to-device copy.
 
@@ -163,6 +165,22 @@ def _fbgemm_multi(setup: _Setup, cached: bool) -> Callable[[], list[torch.Tensor
     return run
 
 
+def _torchrec_impls(setup: _Setup, device: torch.device) -> dict[str, Callable[[], list[torch.Tensor]]]:
+    """torchrec's own ``KTRegroupAsDict`` and ``KeyedTensor.regroup`` when torchrec imports (benchmark only)."""
+    try:
+        from torchrec.modules.regroup import KTRegroupAsDict as TorchrecRegroup
+        from torchrec.sparse.jagged_tensor import KeyedTensor as TorchrecKeyedTensor
+    except Exception:  # torchrec missing or broken against this torch/fbgemm: skip the rows
+        return {}
+    # torchrec's KeyedTensors over the same leaf tensors, so the backward reaches the same gradients.
+    kts = [TorchrecKeyedTensor(kt.keys(), kt.length_per_key(), kt.values()) for kt in setup.kts]
+    module = TorchrecRegroup(setup.groups, setup.names).to(device)
+    return {
+        "torchrec KTRegroupAsDict": lambda: list(module(kts).values()),
+        "torchrec KeyedTensor.regroup": lambda: list(TorchrecKeyedTensor.regroup(kts, setup.groups)),
+    }
+
+
 def _impls(
     setup: _Setup, device: torch.device, only: Sequence[str]
 ) -> dict[str, Callable[[], list[torch.Tensor]]]:
@@ -182,6 +200,7 @@ def _impls(
         )
     module = kt_regroup.KTRegroupAsDict(setup.groups, setup.names).to(device)
     impls["kt_regroup.KTRegroupAsDict"] = lambda: list(module(setup.kts).values())
+    impls.update(_torchrec_impls(setup, device))
     if only:
         impls = {k: v for k, v in impls.items() if any(o in k for o in only)}
     return impls
