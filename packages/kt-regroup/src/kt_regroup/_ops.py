@@ -213,6 +213,10 @@ class _EagerPermute(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         args: PlanArgs = ctx.args
         dense = _materialize(grads, args[3], args[4])
+        if not torch.is_grad_enabled():
+            # The usual backward (no create_graph): run the kernel directly, no second Function node.
+            plan, meta, in_lengths, out_lengths, key_dim, backend = args
+            return (None, *backward_impl(dense, plan, meta, in_lengths, out_lengths, key_dim, backend))
         return (None, *_EagerPermuteBackward.apply(args, *dense))  # type: ignore[no-untyped-call]  # untyped in torch
 
 
@@ -229,6 +233,9 @@ class _EagerPermuteBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         args: PlanArgs = ctx.args
         dense = _materialize(grads, args[2], args[4])
+        if not torch.is_grad_enabled():
+            plan, meta, in_lengths, out_lengths, key_dim, backend = args
+            return (None, *forward_impl(dense, plan, meta, in_lengths, out_lengths, key_dim, backend))
         return (None, *_EagerPermute.apply(args, *dense))  # type: ignore[no-untyped-call]  # untyped in torch
 
 
