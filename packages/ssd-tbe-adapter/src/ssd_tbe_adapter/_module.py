@@ -853,8 +853,20 @@ class KeyValueEmbeddingBags(nn.Module):
         indices_device: list[torch.Tensor],
         per_sample_weights: torch.Tensor | None,
         vbe_output: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        rows = {table: self._gather(table, group.unique, plan.slots) for table, group in plan.groups.items()}
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor | None]]:
+        # Rows are copied out of the cache only where needed: tables with misses (scratch rows), fp16 weights
+        # (pooled in float32) and a per-sample-weight gradient (backward reads the forward's rows). Otherwise
+        # the lookups are mapped to cache slots and pooled straight from the cache.
+        need_rows = per_sample_weights is not None and per_sample_weights.requires_grad
+        rows = {
+            table: self._gather(table, group.unique, plan.slots, need_rows)
+            for table, group in plan.groups.items()
+        }
+        slots_device = {
+            table: plan.slots[table].to(self._device, non_blocking=True)
+            for table, table_rows in rows.items()
+            if table_rows is None
+        }
         if plan.vbe:
             output = (
                 vbe_output
@@ -874,9 +886,13 @@ class KeyValueEmbeddingBags(nn.Module):
             dim = self._dims[table]
             bags = plan.num_bags[feature]
             if bags:
-                pooled = self._pool(
-                    plan, feature, offsets_device, indices_device[feature], rows[table], per_sample_weights
-                )
+                table_rows = rows[table]
+                if table_rows is None:
+                    lookups = slots_device[table].index_select(0, indices_device[feature])
+                    table_rows = self._caches[table].weights
+                else:
+                    lookups = indices_device[feature]
+                pooled = self._pool(plan, feature, offsets_device, lookups, table_rows, per_sample_weights)
                 if plan.vbe:
                     for first, count, start in plan.blocks[feature]:
                         if count:
@@ -917,7 +933,7 @@ class KeyValueEmbeddingBags(nn.Module):
         self,
         plan: _Plan,
         indices_device: list[torch.Tensor],
-        rows: dict[int, torch.Tensor],
+        rows: dict[int, torch.Tensor | None],
         per_sample_weights: torch.Tensor | None,
         grad_output: torch.Tensor,
     ) -> torch.Tensor | None:
@@ -961,7 +977,9 @@ class KeyValueEmbeddingBags(nn.Module):
                     bag_of_lookup = torch.repeat_interleave(
                         torch.arange(bags, device=self._device), lengths, output_size=lookups.numel()
                     )
-                    grad_psw[lo:hi] = (grad_bags[bag_of_lookup] * rows[table][lookups]).sum(1)
+                    table_rows = rows[table]
+                    assert table_rows is not None  # forward keeps rows when a psw gradient is wanted
+                    grad_psw[lo:hi] = (grad_bags[bag_of_lookup] * table_rows[lookups]).sum(1)
         for table, group in plan.groups.items():
             parts = sources[table]
             source = (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
@@ -994,10 +1012,13 @@ class KeyValueEmbeddingBags(nn.Module):
         self._tick += 1
         return self._tick
 
-    def _gather(self, table: int, ids: torch.Tensor, hints: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _gather(
+        self, table: int, ids: torch.Tensor, hints: dict[int, torch.Tensor], need_rows: bool = True
+    ) -> torch.Tensor | None:
         """Rows ``[U, D]`` float32 on the device for unique ``ids``; misses are fetched (and cached if they fit).
 
-        When every row was cached, records their slots in ``hints[table]`` for backward.
+        When every row was cached, records their slots in ``hints[table]`` (for forward and backward) and,
+        unless ``need_rows`` or the weights are fp16, returns ``None`` instead of copying the rows.
         """
         cache = self._caches[table]
         with self._lock:
@@ -1016,6 +1037,9 @@ class KeyValueEmbeddingBags(nn.Module):
             n_hit = hit_slots.numel()
             self._metrics.forward_lookups += ids.numel()
             self._metrics.forward_hits += n_hit
+            if hit_positions is None and not need_rows and self._weight_dtype == torch.float32:
+                self._record_main_event()
+                return None
             if hit_positions is None:
                 rows = select_rows(cache.weights, hit_slots.to(self._device, non_blocking=True))
                 rows = rows.to(torch.float32)
@@ -1078,14 +1102,17 @@ class KeyValueEmbeddingBags(nn.Module):
                     if hit_positions is None
                     else select_rows(grads, hit_positions.to(self._device, non_blocking=True))
                 )
-                weights, state = self._step(
-                    select_rows(cache.weights, device_slots).to(torch.float32),
-                    select_rows(cache.state, device_slots),
-                    hit_grads,
-                )
-                copy_rows(cache.weights, device_slots, weights.to(self._weight_dtype).contiguous())
-                if self._state_width:
-                    copy_rows(cache.state, device_slots, state.contiguous())
+                if self._weight_dtype == torch.float32:
+                    self._step_in_place(cache, device_slots, hit_grads)
+                else:
+                    weights, state = self._step(
+                        select_rows(cache.weights, device_slots).to(torch.float32),
+                        select_rows(cache.state, device_slots),
+                        hit_grads,
+                    )
+                    copy_rows(cache.weights, device_slots, weights.to(self._weight_dtype).contiguous())
+                    if self._state_width:
+                        copy_rows(cache.state, device_slots, state.contiguous())
                 cache.dirty.index_fill_(0, hit_slots, True)
             if hit_slots.numel() < ids.numel():
                 miss_positions = (slots < 0).nonzero().flatten()
@@ -1101,6 +1128,17 @@ class KeyValueEmbeddingBags(nn.Module):
                 )
                 self._metrics.write_through_rows += miss_ids.numel()
             self._record_main_event()
+
+    def _step_in_place(self, cache: TableCache, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """:meth:`_step` on float32 cache rows ``slots`` (``[K]`` unique, on the device), without copying the
+        rows out and back: the state and weight updates are ``index_add_`` of the (same) increments."""
+        if self.optimizer == "sgd":
+            cache.weights.index_add_(0, slots, grads, alpha=-self.learning_rate)
+            return
+        state = cache.state.view(-1)
+        state.index_add_(0, slots, grads.square().mean(dim=1))
+        scale = state.index_select(0, slots).sqrt_().add_(self.eps).reciprocal_().mul_(-self.learning_rate)
+        cache.weights.index_add_(0, slots, grads * scale[:, None])
 
     def _step(
         self, weights: torch.Tensor, state: torch.Tensor, grads: torch.Tensor
