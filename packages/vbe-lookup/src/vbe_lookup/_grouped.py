@@ -644,17 +644,32 @@ class GroupedVBELookup(nn.Module):
         inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None],
         device: torch.device,
     ) -> torch.Tensor:
-        """torchrec's ``_merge_variable_batch_embeddings``: split every output per rank, cat rank-major."""
+        """torchrec's ``_merge_variable_batch_embeddings``, as torchrec runs it (the baseline to beat).
+
+        Every step, on the host: each kernel's split sizes per (rank, feature) from the batch sizes and
+        dims (torchrec's ``_vbe_splits``), one ``torch.split`` per kernel output into ``R * F_g`` pieces,
+        and one ``torch.cat`` of all pieces in rank-major order. Nothing is cached across steps.
+        """
         dtype = self.output_dtype
-        per_group: list[list[torch.Tensor]] = []
+        split_outputs: list[tuple[tuple[torch.Tensor, ...], int]] = []
         for group, plan, item in zip(self.groups, layout.groups, inputs, strict=True):
+            sizes = [
+                stride * dim
+                for stride_per_feature in zip(*plan.batch_sizes, strict=True)
+                for stride, dim in zip(stride_per_feature, group.dims, strict=True)
+            ]
             if item is None:
                 y = torch.zeros(0, dtype=dtype, device=device)
             else:
                 y = _call(group.kernel, item, plan.batch_sizes).reshape(-1).to(dtype)
-            per_group.append(list(torch.split(y, list(plan.block_sizes))))
+            split_outputs.append((torch.split(y, sizes), len(group.features)))
         num_ranks = len(layout.size_per_rank)
-        pieces = [per_group[g][r] for r in range(num_ranks) for g in range(len(self.groups))]
+        pieces = [
+            piece
+            for rank in range(num_ranks)
+            for pieces_g, n in split_outputs
+            for piece in pieces_g[n * rank : n * rank + n]
+        ]
         if not pieces:
             return torch.zeros(0, dtype=dtype, device=device)
         return torch.cat(pieces)
