@@ -10,8 +10,8 @@ Compares, in one run, interleaved, medians:
   VBE-metadata cache (fbgemm rebuilds it on the host every call), the issue's 1.73 ms baseline.
 
 Cases: forward (no grad) and forward + backward (fused row-wise Adagrad). Columns: host time per
-step, GPU time (CUDA events), host syncs per step (CUDA sync debug mode) and peak memory above the
-model (CUDA). Default shape (the issue's): 32 features, 8 ranks, dim 128, batch per feature and rank
+step, GPU time (CUDA events over ``--inner`` steps run back to back, as in training, divided by their
+number), host syncs per step (CUDA sync debug mode) and peak memory above the model (CUDA). Default shape (the issue's): 32 features, 8 ranks, dim 128, batch per feature and rank
 128-1024, ~20 ids per bag; ``--quick`` and the CPU default are smaller.
 """
 
@@ -170,10 +170,11 @@ def _run(args: argparse.Namespace, device: torch.device, kind: str) -> list[dict
     for mode in ("fwd", "fwd+bwd"):
         steps = {impl.name: _make_step(impl.lookup, inputs, mode) for impl in impls}
         for step in steps.values():  # warm-up: layouts, caches, allocator
-            for i in range(args.warmup):
+            for i in range(max(args.warmup, len(inputs))):  # every layout seen once
                 step(i)
         host: dict[str, list[float]] = {n: [] for n in steps}
         gpu: dict[str, list[float]] = {n: [] for n in steps}
+        inner = args.inner
         for i in range(args.iters):
             for name, step in steps.items():  # interleaved
                 if cuda:
@@ -181,12 +182,13 @@ def _run(args: argparse.Namespace, device: torch.device, kind: str) -> list[dict
                     begin, end = _event(), _event()
                     begin.record()
                 t0 = time.perf_counter()
-                step(i)
-                host[name].append((time.perf_counter() - t0) * 1e3)
+                for j in range(inner):  # back to back, as in training: the host runs ahead of the device
+                    step(i * inner + j)
+                host[name].append((time.perf_counter() - t0) * 1e3 / inner)
                 if cuda:
                     end.record()
                     end.synchronize()
-                    gpu[name].append(begin.elapsed_time(end))
+                    gpu[name].append(begin.elapsed_time(end) / inner)
         for impl in impls:
             name = impl.name
             syncs = peak = None
@@ -275,6 +277,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernels", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--inner",
+        type=int,
+        default=None,
+        help="steps run back to back per sample (the training steady state; default 10 on CUDA, 1 on CPU); "
+        "1 syncs before every step and so also charges the step's host launch time",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
@@ -326,6 +335,7 @@ def _defaults(args: argparse.Namespace, device: torch.device) -> None:
             "pooling_factor": 10,
             "iters": 25,
         }
+    shape["inner"] = 10 if device.type == "cuda" and not args.quick else 1
     for key, value in shape.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
