@@ -158,3 +158,31 @@ def test_bad_arguments_name_the_argument(make: Callable[[Path], KVStore], tmp_pa
     with pytest.raises(ValueError, match="`rows`"):
         store.put(torch.tensor([1]), torch.zeros(1, 1))
     store.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    batches=st.lists(
+        st.lists(st.one_of(st.integers(0, 300), st.integers(-3, 10**6)), max_size=20, unique=True),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_memory_store_matches_a_dict_over_puts(batches: list[list[int]]) -> None:
+    """Overwrites, new ids, dense and sparse id ranges: every get sees the last put of each id."""
+    store = MemoryStore()
+    reference: dict[int, int] = {}
+    for step, ids in enumerate(batches):
+        values = [(step * 31 + i) % 256 for i in range(len(ids))]
+        store.put(
+            torch.tensor(ids, dtype=torch.int64),
+            torch.tensor(values, dtype=torch.uint8)[:, None].repeat(1, 4),
+        )
+        reference.update(zip(ids, values, strict=True))
+        query = [*sorted(reference), 10**7]
+        out = torch.zeros(len(query), 4, dtype=torch.uint8)
+        found = store.get(torch.tensor(query, dtype=torch.int64), out)
+        assert found.tolist() == [True] * len(reference) + [False]
+        assert out[:-1, 0].tolist() == [reference[i] for i in sorted(reference)]
+    chunks = list(store.iter_chunks(table=0, chunk_rows=7))
+    assert [i for c in chunks for i in c[0].tolist()] == sorted(reference)

@@ -93,6 +93,7 @@ class TableCache:
         self.last_used = torch.zeros(capacity, dtype=torch.int64)
         self.uses = torch.zeros(capacity, dtype=torch.int64)
         self._evicted_since_aging = 0
+        self.fills = 0  # number of :meth:`fill` calls that cached rows
         self.sorted_ids = torch.zeros(0, dtype=torch.int64)
         self.sorted_slots = torch.zeros(0, dtype=torch.int64)
         self._stale = False  # the index still lists slots dropped with ``reindex=False``
@@ -111,6 +112,15 @@ class TableCache:
         slots = self.sorted_slots.numpy()[position]
         slots[sorted_ids[position] != query] = -1
         return torch.from_numpy(slots)
+
+    def holds(self, slots: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether each of ``slots`` (``[K]`` int64 host) is valid and holds the id at the same position of
+        ``ids`` (``[K]`` int64 host): two gathers instead of an index search."""
+        return (
+            slots.numel() == ids.numel()
+            and bool(self.valid.index_select(0, slots).all())
+            and torch.equal(self.slot_ids.index_select(0, slots), ids)
+        )
 
     def touch(self, slots: torch.Tensor, tick: int) -> None:
         """Mark ``slots`` (``[K]`` int64 host, all valid, unique) used at ``tick``."""
@@ -176,6 +186,7 @@ class TableCache:
         self._compact()  # before the slots are valid again
         if slots.numel() == 0:
             return
+        self.fills += 1
         device_slots = slots.to(self.device, non_blocking=True)
         copy_rows(self.weights, device_slots, weights.to(self.device, self.weights.dtype).contiguous())
         if self.state.shape[1]:

@@ -129,6 +129,9 @@ class _TableGroup:
     order: torch.Tensor  # [N_t] int64 host: lookups of the table (features concatenated) by unique row
     sorted_bags: torch.Tensor  # [N_t] int64 host: bag (over the table's features) of each sorted lookup
     row_offsets: torch.Tensor  # [U + 1] int64 host: lookups of unique row u are order[ro[u]:ro[u+1]]
+    # [U] int64 host: the cache slot of each unique row when its prefetch left every row cached (forward
+    # checks that each slot still holds its id before using them)
+    slots: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -859,7 +862,7 @@ class KeyValueEmbeddingBags(nn.Module):
         # the lookups are mapped to cache slots and pooled straight from the cache.
         need_rows = per_sample_weights is not None and per_sample_weights.requires_grad
         rows = {
-            table: self._gather(table, group.unique, plan.slots, need_rows)
+            table: self._gather(table, group.unique, plan.slots, need_rows, group.slots)
             for table, group in plan.groups.items()
         }
         slots_device = {
@@ -1013,18 +1016,24 @@ class KeyValueEmbeddingBags(nn.Module):
         return self._tick
 
     def _gather(
-        self, table: int, ids: torch.Tensor, hints: dict[int, torch.Tensor], need_rows: bool = True
+        self,
+        table: int,
+        ids: torch.Tensor,
+        hints: dict[int, torch.Tensor],
+        need_rows: bool = True,
+        prior: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Rows ``[U, D]`` float32 on the device for unique ``ids``; misses are fetched (and cached if they fit).
 
         When every row was cached, records their slots in ``hints[table]`` (for forward and backward) and,
         unless ``need_rows`` or the weights are fp16, returns ``None`` instead of copying the rows.
+        ``prior``: slots the prefetch left the rows in, used instead of an index search if still valid.
         """
         cache = self._caches[table]
         with self._lock:
             self._wait_insert_event()
             tick = self._next_tick()
-            slots = cache.lookup(ids)
+            slots = prior if prior is not None and cache.holds(prior, ids) else cache.lookup(ids)
             all_hit = bool((slots >= 0).all())
             if all_hit:
                 hit_positions = None
@@ -1058,8 +1067,12 @@ class KeyValueEmbeddingBags(nn.Module):
                 miss_ids = ids.index_select(0, miss_positions)
                 weights, state = self._read_rows(table, miss_ids)
                 self._metrics.sync_fetched_rows += miss_ids.numel()
-                inserted = self._insert(table, miss_ids, weights, state, tick)
+                inserted_slots = self._insert(table, miss_ids, weights, state, tick)
+                inserted = inserted_slots.numel()
                 self._metrics.scratch_rows += miss_ids.numel() - inserted
+                if inserted == miss_ids.numel():
+                    # Every row is cached now: backward can use the slots.
+                    hints[table] = slots.index_copy(0, miss_positions, inserted_slots)
                 copy_rows(
                     rows,
                     miss_positions.to(self._device),
@@ -1080,15 +1093,7 @@ class KeyValueEmbeddingBags(nn.Module):
         with self._lock:
             self._wait_insert_event()
             slots = None
-            if (
-                hint is not None
-                and hint.numel() == ids.numel()
-                and bool(cache.valid.index_select(0, hint).all())
-                and torch.equal(cache.slot_ids.index_select(0, hint), ids)
-            ):
-                slots = hint
-            if slots is None:
-                slots = cache.lookup(ids)
+            slots = hint if hint is not None and cache.holds(hint, ids) else cache.lookup(ids)
             if ids.numel() and bool((slots >= 0).all()):
                 hit_positions = None
                 hit_slots = slots
@@ -1173,12 +1178,12 @@ class KeyValueEmbeddingBags(nn.Module):
 
     def _insert(
         self, table: int, ids: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, tick: int
-    ) -> int:
+    ) -> torch.Tensor:
         """Cache as many of the (uncached) rows as fit; lock held. Victims: the least used rows last touched
         before ``tick``, the batch being served and every prefetched batch not yet served.
 
         Returns:
-            How many rows (a prefix of ``ids``) were cached.
+            The slots ``[K]`` (int64 host) of the rows cached: ``ids[:K]``.
         """
         cache = self._caches[table]
         protect = min(tick, self._batch_tick, *self._job_ticks.values())
@@ -1198,7 +1203,7 @@ class KeyValueEmbeddingBags(nn.Module):
         count = slots.numel()
         # Victims are non-empty only when count > 0, so fill() rebuilds the index drop() deferred.
         cache.fill(slots, ids[:count], weights[:count], state[:count], tick)
-        return count
+        return slots
 
     def _store_put(self, table: int, ids: torch.Tensor, records: torch.Tensor) -> None:
         """Write records; lock held. Logged while a prefetch job is between its read and its insert."""
@@ -1218,15 +1223,23 @@ class KeyValueEmbeddingBags(nn.Module):
         with self._lock:
             tick = self._next_tick()
             self._job_ticks[job] = tick
+            first_slots: dict[int, torch.Tensor] = {}
+            fills: dict[int, int] = {}
             for table, group in groups.items():
                 cache = self._caches[table]
                 slots = cache.lookup(group.unique)
                 hit = slots >= 0
-                cache.touch(slots[hit], tick)
+                n_hit = int(hit.sum())
                 self._metrics.lookups += group.unique.numel()
-                self._metrics.hits += int(hit.sum())
-                if not bool(hit.all()):
+                self._metrics.hits += n_hit
+                if n_hit == group.unique.numel():
+                    cache.touch(slots, tick)
+                    group.slots = slots
+                else:
+                    cache.touch(slots[hit], tick)
                     misses[table] = group.unique[~hit]
+                    first_slots[table] = slots
+                    fills[table] = cache.fills
             if not misses:
                 return groups
             epoch = self._epoch
@@ -1241,8 +1254,16 @@ class KeyValueEmbeddingBags(nn.Module):
                         if self._cuda and self._main_event is not None:
                             stream.wait_event(self._main_event)
                         weights, state = fetched[table]
-                        still_missing = self._caches[table].lookup(ids) < 0
-                        ids, weights, state = ids[still_missing], weights[still_missing], state[still_missing]
+                        cache = self._caches[table]
+                        # Only the training thread's synchronous fetches can have cached some meanwhile.
+                        still_missing = cache.lookup(ids) < 0 if cache.fills != fills[table] else None
+                        complete = still_missing is None or bool(still_missing.all())
+                        if still_missing is not None and not complete:
+                            ids, weights, state = (
+                                ids[still_missing],
+                                weights[still_missing],
+                                state[still_missing],
+                            )
                         if self._epoch != epoch and ids.numel():
                             written = [logged for t, logged in self._write_log if t == table]
                             if written:
@@ -1252,8 +1273,13 @@ class KeyValueEmbeddingBags(nn.Module):
                                     fresh_weights, fresh_state = self._read_rows(table, ids[stale])
                                     weights[stale] = fresh_weights
                                     state[stale] = fresh_state
-                        inserted = self._insert(table, ids, weights, state, tick)
-                        self._metrics.prefetched_rows += inserted
+                        inserted_slots = self._insert(table, ids, weights, state, tick)
+                        self._metrics.prefetched_rows += inserted_slots.numel()
+                        if complete and inserted_slots.numel() == ids.numel():
+                            slots = first_slots[table]
+                            groups[table].slots = slots.index_copy(
+                                0, (slots < 0).nonzero().flatten(), inserted_slots
+                            )
                         if self._cuda:
                             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
                             event.record(stream)
