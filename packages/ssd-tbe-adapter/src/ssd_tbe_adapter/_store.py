@@ -12,7 +12,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -366,11 +366,14 @@ class RocksDBStore:
         with self._lock:
             self._check_open()
             values: list[bytes | None] = self._db.get(keys)
-        found_list = [value is not None for value in values]
-        found = torch.tensor(found_list, dtype=torch.bool)
-        present = [value for value in values if value is not None]
+        width = out.shape[1]
+        if None not in values:  # the common case: every row was stored before
+            present = cast("list[bytes]", values)
+            found = torch.ones(n, dtype=torch.bool)
+        else:
+            found = torch.from_numpy(np.fromiter((value is not None for value in values), np.bool_, n))
+            present = [value for value in values if value is not None]
         if present:
-            width = out.shape[1]
             blob = b"".join(present)
             if len(blob) != width * len(present) or set(map(len, present)) != {width}:
                 bad = next(i for i, value in enumerate(values) if value is not None and len(value) != width)
@@ -379,11 +382,11 @@ class RocksDBStore:
                     f"table {table} id {int(array[bad])} has a {length}-byte record, expected {width} bytes "
                     f"(store {str(self._path)!r} written with another table layout?)"
                 )
-            rows = torch.from_numpy(np.frombuffer(blob, dtype=np.uint8).reshape(len(present), width).copy())
+            rows = np.frombuffer(blob, dtype=np.uint8).reshape(len(present), width)
             if len(present) == n:
-                out.copy_(rows)
+                out.numpy()[...] = rows
             else:
-                out[found] = rows
+                out[found] = torch.from_numpy(rows.copy())
         return found
 
     def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None:
@@ -396,8 +399,9 @@ class RocksDBStore:
         keys = encode_keys(table, array)
         values: list[bytes] = rows.numpy().view(f"V{rows.shape[1]}").ravel().tolist()
         batch = self._rocksdict.WriteBatch(raw_mode=True)
+        put = batch.put
         for key, value in zip(keys, values, strict=True):
-            batch.put(key, value)
+            put(key, value)
         with self._lock:
             self._check_open()
             self._db.write(batch)
