@@ -5,8 +5,9 @@ jobs in FIFO order. Every cache or store *metadata* change happens under ``self.
 done without the lock is a prefetch job's store read. That read may race with a write-back of the same
 id (an eviction by the training thread), so each job remembers the store write epoch before reading and,
 when writes happened meanwhile, re-reads the ids that were written (see ``_prefetch_job``). Backward
-applies each row's update to wherever the row lives *at backward time* (cache slot, else the store),
-never to a slot remembered from forward, so no update depends on the cache size or on timing.
+applies each row's update to wherever the row lives *at backward time* (cache slot, else the store); a slot
+remembered from forward (or from the prefetch) is used only after checking that it still holds the row, so no
+update depends on the cache size or on timing.
 """
 
 from __future__ import annotations
