@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -305,6 +306,11 @@ class KeyValueEmbeddingBags(nn.Module):
         self._metrics = _Metrics()
         self._pending: deque[_Pending] = deque()
         self._executor: ThreadPoolExecutor | None = None
+        # Store reads of a prefetch job run here, one task per table, so they overlap the job's inserts (and
+        # each other when there are spare cores: the store calls release the GIL).
+        self._readers: ThreadPoolExecutor | None = None
+        self.read_threads = max(1, min(len(self._tables), (os.cpu_count() or 2) // 2, 8))
+        self._read_metrics_lock = threading.Lock()
         self._insert_event: Any = None
         self._main_event: Any = None
         self._closed = False
@@ -409,6 +415,7 @@ class KeyValueEmbeddingBags(nn.Module):
         stream = torch.cuda.current_stream(self._device) if self._cuda else None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
+            self._readers = ThreadPoolExecutor(max_workers=self.read_threads, thread_name_prefix="kv-read")
         job = self._jobs
         self._jobs += 1
         future = self._executor.submit(self._prefetch_job, plan, indices_cpu, stream, job)
@@ -613,6 +620,9 @@ class KeyValueEmbeddingBags(nn.Module):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
         self._store.close()
         self._closed = True
 
@@ -1164,7 +1174,8 @@ class KeyValueEmbeddingBags(nn.Module):
         start = time.perf_counter()
         found = self._store.get(ids, records, table=table)
         elapsed = time.perf_counter() - start
-        with self._lock:
+        # Not the module lock: a reader thread must not wait for the prefetch job's insert of another table.
+        with self._read_metrics_lock:
             self._metrics.store_read_seconds += elapsed
             self._metrics.store_rows_read += ids.numel()
         weights, state = self._decode(table, records)
@@ -1245,16 +1256,22 @@ class KeyValueEmbeddingBags(nn.Module):
                 return groups
             epoch = self._epoch
             self._inflight = True
+        readers = self._readers
+        assert readers is not None
+        fetched: dict[int, Future[tuple[torch.Tensor, torch.Tensor]]] = {}
         try:
-            # The slow part, without the lock: the training thread keeps going meanwhile.
-            fetched = {table: self._read_rows(table, ids) for table, ids in misses.items()}
+            # The slow part, without the lock: the training thread keeps going meanwhile. The reader threads
+            # read table after table while this thread inserts the tables already read, so one table's
+            # write-backs overlap the next tables' reads.
+            for table, ids in misses.items():
+                fetched[table] = readers.submit(self._read_rows, table, ids)
             # One table per lock hold, so the training thread's forward/backward can interleave.
             with _maybe_stream(stream):
                 for table, ids in misses.items():
+                    weights, state = fetched[table].result()  # not under the lock
                     with self._lock:
                         if self._cuda and self._main_event is not None:
                             stream.wait_event(self._main_event)
-                        weights, state = fetched[table]
                         cache = self._caches[table]
                         # Only the training thread's synchronous fetches can have cached some meanwhile.
                         still_missing = cache.lookup(ids) < 0 if cache.fills != fills[table] else None
@@ -1286,6 +1303,7 @@ class KeyValueEmbeddingBags(nn.Module):
                             event.record(stream)
                             self._insert_event = event
         finally:
+            wait(fetched.values())  # a failed job leaves no read running behind it
             with self._lock:
                 self._inflight = False
                 self._write_log.clear()
