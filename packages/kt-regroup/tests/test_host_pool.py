@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kt_regroup import KeyedTensor, KTRegroupAsDict, regroup, release_host_buffers
-from kt_regroup._host_pool import MIN_BYTES, host_empty
+from kt_regroup import KeyedTensor, KTRegroupAsDict, _host_pool, regroup, release_host_buffers
+from kt_regroup._host_pool import MIN_BYTES, host_empty, size_class
 
 _ROWS = 64
 _COLS = MIN_BYTES // (4 * _ROWS)  # one pooled fp32 buffer
@@ -66,3 +66,28 @@ def test_bad_pool_size_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("KT_REGROUP_HOST_POOL_MB", "lots")
     with pytest.raises(ValueError, match="KT_REGROUP_HOST_POOL_MB"):
         host_empty((_ROWS, _COLS), torch.float32)
+
+
+def test_nearby_batch_sizes_share_a_buffer() -> None:
+    release_host_buffers()
+    first = host_empty((2 * _ROWS, _COLS), torch.float32)
+    address = first.data_ptr()
+    del first
+    smaller = host_empty((2 * _ROWS - 3, _COLS), torch.float32)  # same size class
+    assert smaller.data_ptr() == address
+    assert size_class((2 * _ROWS - 3) * _COLS * 4) == size_class(2 * _ROWS * _COLS * 4)
+    assert size_class(12345678) >= 12345678
+    assert size_class(12345678) <= 12345678 * 1.125
+
+
+def test_cap_drops_free_buffers_of_other_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    release_host_buffers()
+    monkeypatch.setenv("KT_REGROUP_HOST_POOL_MB", "3")
+    kept = host_empty((_ROWS, 2 * _COLS), torch.float32)  # 2 MiB, held by the caller
+    freed = host_empty((_ROWS, _COLS), torch.float32)  # 1 MiB, released below
+    del freed
+    assert _host_pool._POOL.retained_bytes() == 3 * MIN_BYTES
+    other = host_empty((_ROWS, _COLS + 512), torch.float32)  # another class: the free 1 MiB buffer makes room
+    assert _host_pool._POOL.retained_bytes() <= 3 * MIN_BYTES
+    assert other.untyped_storage().nbytes() >= other.numel() * 4
+    assert kept.untyped_storage().nbytes() == 2 * MIN_BYTES

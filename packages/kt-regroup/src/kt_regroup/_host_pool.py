@@ -8,8 +8,9 @@ use count is 1): no page faults in the steady state, the same bits, and a buffer
 the caller (an output kept across steps, a ``.grad`` that is accumulated into) is never reused.
 
 Only buffers of at least :data:`MIN_BYTES` are pooled (smaller ones are recycled by the C allocator
-itself). ``KT_REGROUP_HOST_POOL_MB`` caps the bytes the pool retains (default 4096; ``0`` turns it
-off); :func:`release_host_buffers` empties it.
+itself). Sizes are rounded up to 8 classes per power of two, so a varying batch size reuses a few
+buffers. ``KT_REGROUP_HOST_POOL_MB`` caps the bytes the pool retains (default 4096; ``0`` turns it off;
+at the cap, free buffers of other classes are dropped first); :func:`release_host_buffers` empties it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["MIN_BYTES", "host_empty", "release_host_buffers"]
+__all__ = ["MIN_BYTES", "host_empty", "release_host_buffers", "size_class"]
 
 MIN_BYTES = 1 << 20
 _DEFAULT_CAP_MB = 4096
@@ -35,28 +36,59 @@ def _cap_bytes() -> int:
         raise ValueError(f"`KT_REGROUP_HOST_POOL_MB` must be an integer number of MiB, got {raw!r}") from None
 
 
+def size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to one of 8 steps per power of two (at most 12.5% more): batches of nearby
+    sizes share buffers."""
+    step = max(1, 1 << max(0, nbytes.bit_length() - 4))
+    return -(-nbytes // step) * step
+
+
 class _HostPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_size: dict[int, list[torch.UntypedStorage]] = {}
+        self._by_class: dict[int, list[torch.UntypedStorage]] = {}
         self._retained = 0
 
     def storage(self, nbytes: int) -> torch.UntypedStorage:
+        size = size_class(nbytes)
         with self._lock:
-            kept = self._by_size.setdefault(nbytes, [])
+            kept = self._by_class.setdefault(size, [])
             for storage in kept:
-                if torch._C._storage_Use_Count(storage._cdata) == 1:  # only the pool refers to it
+                if _free(storage):
                     return storage
-            storage = torch.empty((nbytes,), dtype=torch.uint8).untyped_storage()
-            if self._retained + nbytes <= _cap_bytes():
+            storage = torch.empty((size,), dtype=torch.uint8).untyped_storage()
+            cap = _cap_bytes()
+            if self._retained + size > cap:
+                self._drop_free(self._retained + size - cap)
+            if self._retained + size <= cap:
                 kept.append(storage)
-                self._retained += nbytes
+                self._retained += size
             return storage
+
+    def _drop_free(self, wanted: int) -> None:
+        """Forget free buffers (largest classes first) until ``wanted`` bytes are released or none is free."""
+        for size in sorted(self._by_class, reverse=True):
+            kept = self._by_class[size]
+            for storage in [s for s in kept if _free(s)]:
+                kept.remove(storage)
+                self._retained -= size
+                wanted -= size
+                if wanted <= 0:
+                    return
+
+    def retained_bytes(self) -> int:
+        with self._lock:
+            return self._retained
 
     def release(self) -> None:
         with self._lock:
-            self._by_size.clear()
+            self._by_class.clear()
             self._retained = 0
+
+
+def _free(storage: torch.UntypedStorage) -> bool:
+    """Whether only the pool refers to ``storage`` (no tensor uses it)."""
+    return bool(torch._C._storage_Use_Count(storage._cdata) == 1)
 
 
 _POOL = _HostPool()
