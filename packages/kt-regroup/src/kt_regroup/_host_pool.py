@@ -26,6 +26,9 @@ __all__ = ["MIN_BYTES", "host_empty", "release_host_buffers", "size_class"]
 
 MIN_BYTES = 1 << 20
 _DEFAULT_CAP_MB = 4096
+# How many references a storage has (torch's private helper, used by torch.multiprocessing too); without it
+# a buffer's reuse cannot be proven safe, so the pool stays off.
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _cap_bytes() -> int:
@@ -88,7 +91,8 @@ class _HostPool:
 
 def _free(storage: torch.UntypedStorage) -> bool:
     """Whether only the pool refers to ``storage`` (no tensor uses it)."""
-    return bool(torch._C._storage_Use_Count(storage._cdata) == 1)
+    assert _USE_COUNT is not None  # host_empty does not pool without it
+    return bool(_USE_COUNT(storage._cdata) == 1)
 
 
 _POOL = _HostPool()
@@ -105,7 +109,7 @@ def host_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         A tensor that shares its storage with no live tensor (not a view).
     """
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < MIN_BYTES or _cap_bytes() == 0:
+    if nbytes < MIN_BYTES or _cap_bytes() == 0 or _USE_COUNT is None:
         return torch.empty(tuple(shape), dtype=dtype)
     size = tuple(shape)
     strides = [1] * len(size)
