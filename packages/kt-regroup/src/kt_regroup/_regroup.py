@@ -180,6 +180,10 @@ class KTRegroupAsDict(nn.Module):
         self._plans: dict[tuple[object, ...], _CachedPlan] = {}
         # The eager path's arguments per layout, holding the buffers themselves (refreshed by _apply).
         self._eager_args: dict[tuple[object, ...], PlanArgs] = {}
+        # The previous eager call's (keys, lengths, (key_dim, device, dtype), plan key): see _layout_key.
+        self._last_layout: (
+            tuple[list[list[str]], list[list[int]], tuple[Any, ...], tuple[Any, ...]] | None
+        ) = None
 
     @property
     def groups(self) -> list[list[str]]:
@@ -193,6 +197,7 @@ class KTRegroupAsDict(nn.Module):
                 delattr(self, name)
         self._plans.clear()
         self._eager_args.clear()
+        self._last_layout = None
 
     def _build(self, key: tuple[object, ...], layout: InputLayout) -> _CachedPlan:
         plan = _plan_for(layout, self._groups, self._backend)
@@ -221,13 +226,7 @@ class KTRegroupAsDict(nn.Module):
         if not keyed_tensors:
             raise LayoutMismatchError("`keyed_tensors` is empty: at least one KeyedTensor is needed")
         first = keyed_tensors[0].values()
-        key = (
-            tuple(tuple(kt.keys()) for kt in keyed_tensors),
-            tuple(tuple(kt.length_per_key()) for kt in keyed_tensors),
-            keyed_tensors[0].key_dim(),
-            first.device,
-            first.dtype,
-        )
+        key = self._layout_key(keyed_tensors, first)
         cached = self._plans.get(key)
         if cached is None and torch.compiler.is_compiling():
             return self._traced_cold(keyed_tensors, key)
@@ -252,6 +251,25 @@ class KTRegroupAsDict(nn.Module):
                 args = self._eager_args[key]
         outputs = run_permute([kt.values() for kt in keyed_tensors], args)
         return dict(zip(self._keys, outputs, strict=True))
+
+    def _layout_key(self, keyed_tensors: Sequence[KeyedTensorLike], first: torch.Tensor) -> tuple[Any, ...]:
+        """The plan cache key: keys, lengths, key_dim, device, dtype of the inputs.
+
+        Eager calls first compare the inputs' key and length lists with copies kept from the previous
+        call (a list comparison, no tuple building or hashing of a thousand keys) and reuse its key.
+        """
+        keys = [kt.keys() for kt in keyed_tensors]
+        lengths = [kt.length_per_key() for kt in keyed_tensors]
+        rest = (keyed_tensors[0].key_dim(), first.device, first.dtype)
+        if torch.compiler.is_compiling():
+            return (tuple(map(tuple, keys)), tuple(map(tuple, lengths)), *rest)
+        last = self._last_layout
+        if last is not None and last[0] == keys and last[1] == lengths and last[2] == rest:
+            return last[3]
+        key = (tuple(map(tuple, keys)), tuple(map(tuple, lengths)), *rest)
+        # Copies: a caller may mutate its lists in place between calls.
+        self._last_layout = ([list(k) for k in keys], [list(n) for n in lengths], rest, key)
+        return key
 
     def _traced_cold(
         self, keyed_tensors: Sequence[KeyedTensorLike], key: tuple[Any, ...]
