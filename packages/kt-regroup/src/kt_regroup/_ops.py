@@ -12,7 +12,7 @@ same kernels through a plain ``autograd.Function``: :func:`run_permute` picks th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -200,24 +200,45 @@ permute_backward.register_autograd(_permute_backward_autograd, setup_context=_se
 PlanArgs = tuple[Sequence[torch.Tensor], Sequence[int], Sequence[int], Sequence[int], int, int]
 
 
+# The kernel of one direction of the eager pair (forward_impl or backward_impl).
+_Kernel = Callable[
+    [Sequence[torch.Tensor], Sequence[torch.Tensor], Sequence[int], Sequence[int], Sequence[int], int, int],
+    list[torch.Tensor],
+]
+
+
+def _eager_forward(
+    ctx: Any, args: PlanArgs, tensors: Sequence[torch.Tensor], kernel: _Kernel
+) -> tuple[torch.Tensor, ...]:
+    plan, meta, in_lengths, out_lengths, key_dim, backend = args
+    ctx.args = args
+    return tuple(kernel(tensors, plan, meta, in_lengths, out_lengths, key_dim, backend))
+
+
+def _eager_backward(
+    ctx: Any, grads: Sequence[torch.Tensor | None], of_outputs: bool, kernel: _Kernel, twin: Any
+) -> tuple[Any, ...]:
+    """Gradients through the other direction: its kernel directly, or its Function under ``create_graph``."""
+    args: PlanArgs = ctx.args
+    # ``grads`` are of this Function's outputs: the groups' widths (permute) or the inputs' (its backward).
+    dense = _materialize(grads, args[3] if of_outputs else args[2], args[4])
+    if not torch.is_grad_enabled():
+        # The usual backward (no create_graph): run the kernel directly, no second Function node.
+        plan, meta, in_lengths, out_lengths, key_dim, backend = args
+        return (None, *kernel(dense, plan, meta, in_lengths, out_lengths, key_dim, backend))
+    return (None, *twin.apply(args, *dense))
+
+
 class _EagerPermute(torch.autograd.Function):
     """Eager twin of ``kt_regroup::permute``: same kernels, plain autograd.Function overhead."""
 
     @staticmethod
     def forward(ctx: Any, args: PlanArgs, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        plan, meta, in_lengths, out_lengths, key_dim, backend = args
-        ctx.args = args
-        return tuple(forward_impl(values, plan, meta, in_lengths, out_lengths, key_dim, backend))
+        return _eager_forward(ctx, args, values, forward_impl)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        args: PlanArgs = ctx.args
-        dense = _materialize(grads, args[3], args[4])
-        if not torch.is_grad_enabled():
-            # The usual backward (no create_graph): run the kernel directly, no second Function node.
-            plan, meta, in_lengths, out_lengths, key_dim, backend = args
-            return (None, *backward_impl(dense, plan, meta, in_lengths, out_lengths, key_dim, backend))
-        return (None, *_EagerPermuteBackward.apply(args, *dense))  # type: ignore[no-untyped-call]  # untyped in torch
+        return _eager_backward(ctx, grads, True, backward_impl, _EagerPermuteBackward)
 
 
 class _EagerPermuteBackward(torch.autograd.Function):
@@ -225,18 +246,11 @@ class _EagerPermuteBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, args: PlanArgs, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        plan, meta, in_lengths, out_lengths, key_dim, backend = args
-        ctx.args = args
-        return tuple(backward_impl(grads, plan, meta, in_lengths, out_lengths, key_dim, backend))
+        return _eager_forward(ctx, args, grads, backward_impl)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        args: PlanArgs = ctx.args
-        dense = _materialize(grads, args[2], args[4])
-        if not torch.is_grad_enabled():
-            plan, meta, in_lengths, out_lengths, key_dim, backend = args
-            return (None, *forward_impl(dense, plan, meta, in_lengths, out_lengths, key_dim, backend))
-        return (None, *_EagerPermute.apply(args, *dense))  # type: ignore[no-untyped-call]  # untyped in torch
+        return _eager_backward(ctx, grads, False, forward_impl, _EagerPermute)
 
 
 def run_permute(values: list[torch.Tensor], args: PlanArgs) -> list[torch.Tensor]:
