@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ssd_tbe_adapter._cache import TableCache
-from ssd_tbe_adapter._module import _sort_with_order
+from ssd_tbe_adapter._plan import sort_with_order
 
 
 def _cache_with(ids: list[int]) -> TableCache:
@@ -73,7 +73,7 @@ def test_incremental_index_matches_the_valid_slots(rounds: list[list[int]], capa
 )
 def test_sort_with_order(ids: list[int]) -> None:
     array = np.array(ids, dtype=np.int64)
-    order, sorted_ids = _sort_with_order(array)
+    order, sorted_ids = sort_with_order(array)
     assert sorted_ids.tolist() == sorted(ids)
     assert array[order].tolist() == sorted(ids)
     assert sorted(order.tolist()) == list(range(len(ids)))

@@ -91,8 +91,8 @@ def _prefill(store: RocksDBStore | MemoryStore, module: KeyValueEmbeddingBags, c
     for table in range(case.tables):
         for start in range(0, case.rows, chunk):
             ids = torch.arange(start, min(start + chunk, case.rows), dtype=torch.int64)
-            weights, state = module._read_rows(table, ids)
-            store.put(ids, module._encode(table, weights, state), table=table)
+            weights, state = module._tier.read_rows(table, ids)
+            store.put(ids, module._tier.layout.encode(table, weights, state), table=table)
     store.flush()
     module.reset_metrics()
 

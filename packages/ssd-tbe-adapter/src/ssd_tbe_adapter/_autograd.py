@@ -1,0 +1,58 @@
+"""The autograd node of one :class:`~ssd_tbe_adapter.KeyValueEmbeddingBags` forward."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ssd_tbe_adapter._plan import Plan
+
+if TYPE_CHECKING:
+    from ssd_tbe_adapter._module import KeyValueEmbeddingBags
+
+__all__ = ["KVBagFunction"]
+
+
+class KVBagFunction(torch.autograd.Function):
+    """Autograd node of one forward: backward applies the fused optimizer to the touched rows."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        anchor: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        vbe_output: torch.Tensor | None,
+        module: KeyValueEmbeddingBags,
+        plan: Plan,
+        indices_device: list[torch.Tensor],
+    ) -> torch.Tensor:
+        del anchor
+        output, rows = module._forward_impl(plan, indices_device, per_sample_weights, vbe_output)
+        if vbe_output is not None:
+            ctx.mark_dirty(vbe_output)
+        ctx.module = module
+        ctx.plan = plan
+        ctx.rows = rows
+        ctx.indices_device = indices_device
+        ctx.per_sample_weights = per_sample_weights
+        ctx.chained = vbe_output is not None
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        module: KeyValueEmbeddingBags = ctx.module
+        grad_psw = module._backward_impl(
+            ctx.plan, ctx.indices_device, ctx.rows, ctx.per_sample_weights, grad_output.contiguous()
+        )
+        grad_vbe: torch.Tensor | None = None
+        if ctx.chained:
+            # Our blocks overwrote whatever the input buffer held there: no gradient flows to it.
+            grad_vbe = grad_output.clone()
+            flat = grad_vbe.view(-1)
+            for feature, blocks in enumerate(ctx.plan.blocks):
+                dim = module._dims[module._feature_table_map[feature]]
+                for _, bags, start in blocks:
+                    flat[start : start + bags * dim].zero_()
+        ctx.rows = None
+        return None, grad_psw, grad_vbe, None, None, None

@@ -1,0 +1,188 @@
+"""Prefetch: a FIFO queue of jobs that bring a future batch's rows into the cache on background threads.
+
+One job thread runs the jobs in order; each job's store reads run on a small pool of reader threads, one task
+per table, so they overlap the job's inserts. The read is the only work done without the tier's lock, and it
+may race with a write-back of the same id (an eviction by the training thread), so each job remembers the
+store write epoch before reading and, when writes happened meanwhile, re-reads the ids that were written.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ssd_tbe_adapter._plan import Plan, TableGroup, group_batch
+from ssd_tbe_adapter._tier import CacheTier
+
+__all__ = ["Prefetcher"]
+
+
+@dataclass(slots=True)
+class _Pending:
+    indices: torch.Tensor
+    future: Future[dict[int, TableGroup]]
+    job: int  # sequence number of the prefetch job
+
+
+class Prefetcher:
+    """The prefetch jobs of one module over its cache tier.
+
+    Args:
+        tier: the caches and store the jobs fill from.
+        feature_table_map: per feature, its table (to group a batch's ids).
+    """
+
+    def __init__(self, tier: CacheTier, feature_table_map: Sequence[int]) -> None:
+        self._tier = tier
+        self._feature_table_map = list(feature_table_map)
+        self._pending: deque[_Pending] = deque()
+        self._jobs = 0
+        self._executor: ThreadPoolExecutor | None = None
+        # Store reads of a prefetch job run here, one task per table, so they overlap the job's inserts (and
+        # each other when there are spare cores: the store calls release the GIL).
+        self._readers: ThreadPoolExecutor | None = None
+
+    def submit(
+        self, plan: Plan, indices: torch.Tensor, indices_cpu: torch.Tensor, stream: Any, read_threads: int
+    ) -> None:
+        """Queue a job for the batch of ``plan`` (``indices`` is what forward will be called with).
+
+        The threads start at the first job; ``read_threads`` sizes the reader pool then.
+        """
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
+            self._readers = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="kv-read")
+        job = self._jobs
+        self._jobs += 1
+        future = self._executor.submit(self._run, plan, indices_cpu, stream, job)
+        self._pending.append(_Pending(indices=indices, future=future, job=job))
+
+    def wait(self) -> None:
+        """Block until every pending job has finished (they stay queued); raises what a failed job raised."""
+        for pending in list(self._pending):
+            pending.future.result()
+
+    def take(self, indices: torch.Tensor) -> dict[int, TableGroup] | None:
+        """Wait for the oldest pending prefetch; its grouping if it was for this very ``indices`` tensor."""
+        tier = self._tier
+        if not self._pending:
+            with tier.lock:
+                tier.batch_tick = tier.tick + 1  # this forward's own ticks
+            return None
+        pending = self._pending.popleft()
+        try:
+            groups = pending.future.result()
+        finally:
+            with tier.lock:
+                job_tick = tier.job_ticks.pop(pending.job, None)
+                tier.batch_tick = tier.tick + 1 if job_tick is None else job_tick
+        return groups if pending.indices is indices else None
+
+    def close(self) -> None:
+        """Forget the pending jobs and stop the threads (after the running job)."""
+        self._pending.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
+
+    def _run(self, plan: Plan, indices_cpu: torch.Tensor, stream: Any, job: int) -> dict[int, TableGroup]:
+        """One job: group the batch, count its hits, read its misses and insert them (see the module docstring)."""
+        tier = self._tier
+        groups = group_batch(plan, indices_cpu, self._feature_table_map)
+        misses: dict[int, torch.Tensor] = {}
+        with tier.lock:
+            tick = tier.next_tick()
+            tier.job_ticks[job] = tick
+            first_slots: dict[int, torch.Tensor] = {}
+            fills: dict[int, int] = {}
+            for table, group in groups.items():
+                cache = tier.caches[table]
+                slots = cache.lookup(group.unique)
+                hit = slots >= 0
+                n_hit = int(hit.sum())
+                tier.metrics.lookups += group.unique.numel()
+                tier.metrics.hits += n_hit
+                if n_hit == group.unique.numel():
+                    cache.touch(slots, tick)
+                    group.slots = slots
+                else:
+                    cache.touch(slots[hit], tick)
+                    misses[table] = group.unique[~hit]
+                    first_slots[table] = slots
+                    fills[table] = cache.fills
+            if not misses:
+                return groups
+            epoch = tier.epoch
+            tier.inflight = True
+        readers = self._readers
+        assert readers is not None
+        fetched: dict[int, Future[tuple[torch.Tensor, torch.Tensor]]] = {}
+        try:
+            # The slow part, without the lock: the training thread keeps going meanwhile. The reader threads
+            # read table after table while this thread inserts the tables already read, so one table's
+            # write-backs overlap the next tables' reads.
+            for table, ids in misses.items():
+                fetched[table] = readers.submit(tier.read_rows, table, ids)
+            # One table per lock hold, so the training thread's forward/backward can interleave.
+            with _maybe_stream(stream):
+                for table, ids in misses.items():
+                    weights, state = fetched[table].result()  # not under the lock
+                    with tier.lock:
+                        if tier.cuda and tier.main_event is not None:
+                            stream.wait_event(tier.main_event)
+                        cache = tier.caches[table]
+                        # Only the training thread's synchronous fetches can have cached some meanwhile.
+                        still_missing = cache.lookup(ids) < 0 if cache.fills != fills[table] else None
+                        complete = still_missing is None or bool(still_missing.all())
+                        if still_missing is not None and not complete:
+                            ids, weights, state = (
+                                ids[still_missing],
+                                weights[still_missing],
+                                state[still_missing],
+                            )
+                        if tier.epoch != epoch and ids.numel():
+                            written = [logged for t, logged in tier.write_log if t == table]
+                            if written:
+                                stale = torch.isin(ids, torch.cat(written))
+                                if bool(stale.any()):
+                                    # Evicted and written back after our read: the store is newer now.
+                                    fresh_weights, fresh_state = tier.read_rows(table, ids[stale])
+                                    weights[stale] = fresh_weights
+                                    state[stale] = fresh_state
+                        inserted_slots = tier.insert(table, ids, weights, state, tick)
+                        tier.metrics.prefetched_rows += inserted_slots.numel()
+                        if complete and inserted_slots.numel() == ids.numel():
+                            slots = first_slots[table]
+                            groups[table].slots = slots.index_copy(
+                                0, (slots < 0).nonzero().flatten(), inserted_slots
+                            )
+                        if tier.cuda:
+                            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+                            event.record(stream)
+                            tier.insert_event = event
+        finally:
+            wait(fetched.values())  # a failed job leaves no read running behind it
+            with tier.lock:
+                tier.inflight = False
+                tier.write_log.clear()
+        return groups
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+def _maybe_stream(stream: Any) -> Any:
+    return torch.cuda.stream(stream) if stream is not None else _NullContext()
