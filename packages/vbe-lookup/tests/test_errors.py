@@ -89,6 +89,17 @@ def test_dims_disagree_with_fbgemm_tbe() -> None:
         KernelGroup(_fbgemm.new_tbe([10], [8]), ["a"], [4])
 
 
+@pytest.mark.skipif(not _fbgemm.fbgemm_available(), reason="fbgemm unavailable")
+def test_fbgemm_tbe_bounds_check_modes() -> None:
+    """``new_tbe`` names fbgemm's bounds-check modes; an unknown one is rejected by name."""
+    with pytest.raises(ValueError, match="`bounds_check`"):
+        _fbgemm.new_tbe([10], [8], bounds_check="strict")
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+    tbe = _fbgemm.new_tbe([10], [8], bounds_check="none")
+    assert tbe.bounds_check_mode_int == BoundsCheckMode.NONE.value
+
+
 def test_bad_configuration() -> None:
     """Unknown merge modes, empty groups and bad check modes are configuration errors."""
     kernel = TorchEmbeddingKernel([10], [4])

@@ -142,6 +142,7 @@ def tbe_uses_cpu(kernel: Any) -> bool:
     return torch.device(device).type == "cpu"
 
 
+_BOUNDS_CHECK_MODES = {"warning": "WARNING", "fatal": "FATAL", "none": "NONE"}
 _SPARSE_TYPES = {torch.float32: "FP32", torch.float16: "FP16", torch.bfloat16: "BF16"}
 
 
@@ -157,17 +158,23 @@ def new_tbe(
     weights_dtype: torch.dtype = torch.float32,
     output_dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    bounds_check: str = "warning",
 ) -> Any:
     """An fbgemm ``SplitTableBatchedEmbeddingBagsCodegen`` described in this package's terms.
 
-    Tables live in device memory (``EmbeddingLocation.DEVICE``) on CUDA, on the host on CPU. Raises
-    ``RuntimeError`` when fbgemm is unavailable.
+    Tables live in device memory (``EmbeddingLocation.DEVICE``) on CUDA, on the host on CPU.
+    ``bounds_check`` is fbgemm's ``BoundsCheckMode`` by name: ``"warning"`` (fbgemm's default: out-of-range
+    ids become 0 with a warning), ``"fatal"`` or ``"none"`` (no check: ids must be valid). Raises
+    ``RuntimeError`` when fbgemm is unavailable, ``ValueError`` for an unknown ``bounds_check``.
     """
+    if bounds_check not in _BOUNDS_CHECK_MODES:
+        raise ValueError(f"`bounds_check` must be one of {sorted(_BOUNDS_CHECK_MODES)}, got {bounds_check!r}")
     module, status = _load()
     if module is None:
         raise RuntimeError(f"fbgemm is unavailable: {status}")
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        BoundsCheckMode,
         ComputeDevice,
         EmbeddingLocation,
         PoolingMode,
@@ -189,6 +196,7 @@ def new_tbe(
         output_dtype=getattr(SparseType, _SPARSE_TYPES[output_dtype]),
         pooling_mode={"sum": PoolingMode.SUM, "mean": PoolingMode.MEAN}[pooling],
         device=device,
+        bounds_check_mode=getattr(BoundsCheckMode, _BOUNDS_CHECK_MODES[bounds_check]),
     )
 
 

@@ -45,9 +45,19 @@ class _Impl:
     kernels: int
 
 
-def _kernel(kind: str, rows: list[int], dims: list[int], device: torch.device, lr: float) -> Any:
+def _kernel(
+    kind: str, rows: list[int], dims: list[int], device: torch.device, args: argparse.Namespace
+) -> Any:
+    lr = args.lr
     if kind == "fbgemm":
-        return _fbgemm.new_tbe(rows, dims, optimizer="rowwise_adagrad", learning_rate=lr, device=device)
+        return _fbgemm.new_tbe(
+            rows,
+            dims,
+            optimizer="rowwise_adagrad",
+            learning_rate=lr,
+            device=device,
+            bounds_check=args.bounds_check,
+        )
     return TorchEmbeddingKernel(rows, dims, optimizer="rowwise_adagrad", learning_rate=lr, device=device)
 
 
@@ -60,18 +70,18 @@ def _build_impls(args: argparse.Namespace, device: torch.device, kind: str) -> l
     keys = [f"f{i}" for i in range(args.features)]
     rows, dims = [args.rows] * args.features, [args.dim] * args.features
     impls: list[_Impl] = []
-    single = _kernel(kind, rows, dims, device, args.lr)
+    single = _kernel(kind, rows, dims, device, args)
     impls.append(_Impl(name="single", lookup=GroupedVBELookup([KernelGroup(single, keys, dims)]), kernels=1))
     for k in args.kernels:
         groups = [
-            KernelGroup(_kernel(kind, rows[a:b], dims[a:b], device, args.lr), keys[a:b], dims[a:b])
+            KernelGroup(_kernel(kind, rows[a:b], dims[a:b], device, args), keys[a:b], dims[a:b])
             for a, b in _split(args.features, k)
         ]
         impls.append(_Impl(name=f"preallocated-{k}", lookup=GroupedVBELookup(groups), kernels=k))
         impls.append(_Impl(name=f"legacy-{k}", lookup=GroupedVBELookup(groups, merge="legacy"), kernels=k))
     if kind == "fbgemm" and device.type == "cuda":
         groups = [
-            KernelGroup(_kernel(kind, rows[a:b], dims[a:b], device, args.lr), keys[a:b], dims[a:b])
+            KernelGroup(_kernel(kind, rows[a:b], dims[a:b], device, args), keys[a:b], dims[a:b])
             for a, b in _split(args.features, 2)
         ]
         lookup = GroupedVBELookup(groups, cache_fbgemm_metadata=False)
@@ -285,6 +295,12 @@ def _parser() -> argparse.ArgumentParser:
         "1 syncs before every step and so also charges the step's host launch time",
     )
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--bounds-check",
+        choices=["warning", "fatal", "none"],
+        default="warning",
+        help="fbgemm TBEs' BoundsCheckMode, the same for every implementation (default: fbgemm's, warning)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads on CPU")
     parser.add_argument("--quick", action="store_true", help="a small, fast run")
