@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -186,3 +188,90 @@ def test_memory_store_matches_a_dict_over_puts(batches: list[list[int]]) -> None
         assert out[:-1, 0].tolist() == [reference[i] for i in sorted(reference)]
     chunks = list(store.iter_chunks(table=0, chunk_rows=7))
     assert [i for c in chunks for i in c[0].tolist()] == sorted(reference)
+
+
+@pytest.mark.parametrize("io_threads", [0, -1, True, 1.5], ids=["zero", "negative", "bool", "float"])
+def test_rocksdb_io_threads_is_checked(io_threads: object, tmp_path: Path) -> None:
+    """A bad `io_threads` is a ValueError naming the argument, before anything is created."""
+    with pytest.raises(ValueError, match="`io_threads`"):
+        RocksDBStore(tmp_path / "db", io_threads=io_threads)  # type: ignore[arg-type]  # the bad value is the test
+    assert not (tmp_path / "db").exists()
+
+
+@pytest.mark.parametrize("io_threads", [1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
+@settings(max_examples=10, deadline=None)
+@given(
+    stored=st.integers(0, 6000),
+    queried=st.integers(0, 7000),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_rocksdb_split_get_matches_memory_store(
+    io_threads: int, tmp_path_factory: pytest.TempPathFactory, stored: int, queried: int, seed: int
+) -> None:
+    """A get split over I/O threads returns what MemoryStore returns: same rows, same found mask, absent
+    rows untouched, for ids in any order with repeats and absent ids."""
+    gen = torch.Generator().manual_seed(seed)
+    store = RocksDBStore(tmp_path_factory.mktemp("s") / "db", io_threads=io_threads)
+    reference = MemoryStore()
+    ids = torch.randperm(8000, generator=gen)[:stored].to(torch.int64)
+    rows = torch.randint(0, 256, (stored, 12), dtype=torch.uint8, generator=gen)
+    for target in (store, reference):
+        target.put(ids, rows, table=1)
+    query = torch.randint(0, 8000, (queried,), generator=gen, dtype=torch.int64)
+    out = torch.full((queried, 12), 7, dtype=torch.uint8)
+    expected_out = out.clone()
+    found = store.get(query, out, table=1)
+    expected_found = reference.get(query, expected_out, table=1)
+    assert torch.equal(found, expected_found)
+    assert torch.equal(out, expected_out)
+    store.close()
+
+
+def test_rocksdb_split_get_reports_a_corrupt_record_in_any_chunk(tmp_path: Path) -> None:
+    """A wrong-width record read by an I/O thread (not the caller) still raises StoreCorruptError."""
+    store = RocksDBStore(tmp_path / "db", io_threads=2)
+    ids = torch.arange(4096, dtype=torch.int64)
+    store.put(ids, torch.zeros(4096, 8, dtype=torch.uint8))
+    store.put(torch.tensor([4000]), torch.zeros(1, 9, dtype=torch.uint8))
+    with pytest.raises(StoreCorruptError, match="id 4000"):
+        store.get(ids, torch.empty(4096, 8, dtype=torch.uint8))
+    store.close()
+
+
+def test_rocksdb_close_waits_for_gets_in_flight(tmp_path: Path) -> None:
+    """close() during split gets on other threads neither crashes nor loses a flushed row: each get either
+    completes with the stored rows or raises StoreClosedError, and the reopened store holds every row."""
+    store = RocksDBStore(tmp_path / "db", io_threads=3)
+    ids = torch.arange(20_000, dtype=torch.int64)
+    rows = torch.randint(0, 256, (20_000, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    store.put(ids, rows)
+    outcomes: list[str] = []
+    started = threading.Barrier(3)
+
+    def reader() -> None:
+        started.wait()
+        while True:
+            out = torch.empty(20_000, 16, dtype=torch.uint8)
+            try:
+                found = store.get(ids, out)
+            except StoreClosedError:
+                outcomes.append("closed")
+                return
+            if not (bool(found.all()) and torch.equal(out, rows)):
+                outcomes.append("wrong")
+                return
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    time.sleep(0.05)
+    store.close()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert outcomes == ["closed", "closed"]
+    reopened = RocksDBStore(tmp_path / "db", create_if_missing=False, io_threads=1)
+    out = torch.empty(20_000, 16, dtype=torch.uint8)
+    assert bool(reopened.get(ids, out).all())
+    assert torch.equal(out, rows)
+    reopened.close()

@@ -8,9 +8,11 @@ contiguous key range (checkpoints stream it with a single iterator).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,6 +33,9 @@ __all__ = ["MemoryStore", "RocksDBStore"]
 _KEY_DTYPE = np.dtype([("table", ">u4"), ("id", ">u8")])
 _KEY_BYTES = _KEY_DTYPE.itemsize
 _SIGN = np.uint64(1 << 63)
+# RocksDBStore.get splits a multi-get of at least this many keys over its I/O threads, in contiguous chunks
+# of at least half as many keys: below that the hand-off costs more than the parallel reads save.
+_SPLIT_MIN_KEYS = 2048
 
 
 def _check_ids(ids: torch.Tensor) -> np.ndarray[Any, np.dtype[np.int64]]:
@@ -280,6 +285,14 @@ class RocksDBStore:
     - no compression: embedding rows are noise to a compressor.
     - ``write_buffer_mb`` memtable size, ``max_background_jobs`` flush/compaction threads.
 
+    Threads: RocksDB is thread-safe and ``rocksdict`` releases the GIL inside a multi-get, so calls from
+    several threads run at once (the store only counts calls in flight, so that :meth:`close` waits for
+    them). A ``get`` of at least 2048 ids is split into up to ``io_threads`` contiguous chunks read at once
+    (the calling thread reads one; a small pool owned by the store the others): about 1.7-1.9x on a
+    multi-get of 2,600-10,000 keys with 2 threads on a 2-core host. A ``put`` stays one ``WriteBatch`` written
+    by the calling thread: RocksDB applies a batch on one thread, and splitting it over threads (measured:
+    2 batches from 2 threads were slower than 1) would only give up its atomicity.
+
     Args:
         path: database directory; created when missing if ``create_if_missing``.
         create_if_missing: create a new database at a missing ``path`` (else :class:`StoreNotFoundError`).
@@ -288,6 +301,8 @@ class RocksDBStore:
         max_background_jobs: RocksDB background threads.
         sync_writes: fsync the WAL on every ``put`` (slow; only needed against power loss between flushes).
         mmap_reads: read SST files through ``mmap`` (see above).
+        io_threads: threads one large ``get`` is split over, ``>= 1`` (default ``min(4, os.cpu_count())``;
+            1 reads every batch on the calling thread).
 
     Raises:
         StoreNotFoundError: ``path`` is missing and ``create_if_missing`` is false.
@@ -306,7 +321,13 @@ class RocksDBStore:
         max_background_jobs: int = 2,
         sync_writes: bool = False,
         mmap_reads: bool = True,
+        io_threads: int | None = None,
     ) -> None:
+        if io_threads is None:
+            io_threads = min(4, os.cpu_count() or 1)
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise ValueError(f"`io_threads` must be an int >= 1 or None, got {io_threads!r}")
+        self.io_threads = io_threads
         rocksdict = _import_rocksdict()
         self._path = Path(path)
         if self._path.exists() and not self._path.is_dir():
@@ -342,8 +363,13 @@ class RocksDBStore:
         self._db.set_write_options(write_options)
         self._rocksdict = rocksdict
         self._closed = False
-        # RocksDB is thread-safe; this lock only orders close() against in-flight calls.
-        self._lock = threading.RLock()
+        # RocksDB is thread-safe: calls run at once. The condition only guards ``_closed`` and ``_active``
+        # (calls in flight), so that close() waits for the calls it did not refuse.
+        self._state = threading.Condition()
+        self._active = 0
+        # The I/O threads of split gets (io_threads - 1 of them: the caller reads a chunk too), started at the
+        # first split get.
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def path(self) -> Path:
@@ -354,18 +380,59 @@ class RocksDBStore:
         if self._closed:
             raise StoreClosedError(f"the RocksDBStore at {str(self._path)!r} was closed")
 
+    @contextlib.contextmanager
+    def _open_call(self) -> Iterator[Any]:
+        """The database, for one call; raises :class:`StoreClosedError` once closed, and close() waits."""
+        with self._state:
+            self._check_open()
+            self._active += 1
+        try:
+            yield self._db
+        finally:
+            with self._state:
+                self._active -= 1
+                if not self._active:
+                    self._state.notify_all()
+
     def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
-        """Read the rows of ``ids`` into ``out`` with one multi-get (see :meth:`KVStore.get`)."""
+        """Read the rows of ``ids`` into ``out`` with multi-gets (see :meth:`KVStore.get`).
+
+        At least 2048 ids are split into up to ``io_threads`` contiguous chunks read at once; each row is
+        read atomically, but a get split into chunks is not one snapshot (a concurrent ``put`` may land
+        between two chunks).
+        """
         _check_table(table)
         array = _check_ids(ids)
         _check_rows(out, array.shape[0], "out")
         n = array.shape[0]
         if n == 0:
             return torch.zeros(0, dtype=torch.bool)
+        chunks = min(self.io_threads, n // (_SPLIT_MIN_KEYS // 2))
+        with self._open_call() as db:
+            if chunks < 2:
+                return self._get_chunk(db, table, array, out)
+            if self._pool is None:
+                with self._state:
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(self.io_threads - 1, thread_name_prefix="rocksdb-io")
+            bounds = [n * part // chunks for part in range(chunks + 1)]
+            futures = [
+                self._pool.submit(self._get_chunk, db, table, array[lo:hi], out[lo:hi])
+                for lo, hi in itertools.pairwise(bounds[1:])
+            ]
+            try:
+                first = self._get_chunk(db, table, array[: bounds[1]], out[: bounds[1]])
+            finally:
+                wait(futures)  # no chunk may write into `out` after this call returns
+            return torch.cat([first, *(future.result() for future in futures)])
+
+    def _get_chunk(
+        self, db: Any, table: int, array: np.ndarray[Any, np.dtype[np.int64]], out: torch.Tensor
+    ) -> torch.Tensor:
+        """One multi-get of ``array`` into ``out`` (rows of the caller's ``out``); the ``found`` mask."""
+        n = array.shape[0]
         keys = encode_keys(table, array)
-        with self._lock:
-            self._check_open()
-            values: list[bytes | None] = self._db.get(keys)
+        values: list[bytes | None] = db.get(keys)
         width = out.shape[1]
         if None not in values:  # the common case: every row was stored before
             present = cast("list[bytes]", values)
@@ -402,9 +469,8 @@ class RocksDBStore:
         put = batch.put
         for key, value in zip(keys, values, strict=True):
             put(key, value)
-        with self._lock:
-            self._check_open()
-            self._db.write(batch)
+        with self._open_call() as db:
+            db.write(batch)
 
     def iter_chunks(self, *, table: int, chunk_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Stream the records of ``table`` in id order with one RocksDB iterator (see :meth:`KVStore.iter_chunks`)."""
@@ -412,9 +478,8 @@ class RocksDBStore:
         if chunk_rows < 1:
             raise ValueError(f"`chunk_rows` must be >= 1, got {chunk_rows}")
         prefix = np.array([table], dtype=">u4").tobytes()
-        with self._lock:
-            self._check_open()
-            iterator = self._db.iter()
+        with self._open_call() as db:
+            iterator = db.iter()
         iterator.seek(prefix)
         keys: list[bytes] = []
         values: list[bytes] = []
@@ -452,26 +517,30 @@ class RocksDBStore:
         _check_table(table)
         start = np.array([table], dtype=">u4").tobytes()
         end = np.array([table + 1], dtype=">u4").tobytes()
-        with self._lock:
-            self._check_open()
-            self._db.delete_range(start, end)
+        with self._open_call() as db:
+            db.delete_range(start, end)
 
     def flush(self) -> None:
         """Flush the memtable to SST files and fsync the write-ahead log."""
-        with self._lock:
-            self._check_open()
-            self._db.flush(True)
-            self._db.flush_wal(True)
+        with self._open_call() as db:
+            db.flush(True)
+            db.flush_wal(True)
 
     def close(self) -> None:
-        """Flush and close the database; idempotent."""
-        with self._lock:
+        """Wait for the calls in flight, then flush and close the database; idempotent. Later calls raise
+        :class:`~ssd_tbe_adapter.errors.StoreClosedError`."""
+        with self._state:
             if self._closed:
                 return
-            self._db.flush(True)
-            self._db.flush_wal(True)
-            self._db.close()
             self._closed = True
+            while self._active:
+                self._state.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._db.flush(True)
+        self._db.flush_wal(True)
+        self._db.close()
 
     def __del__(self) -> None:
         # Interpreter shutdown may have torn rocksdict down already; the WAL holds every put anyway.
