@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from ssd_tbe_adapter import (
     StoreNotFoundError,
     StoreOpenError,
 )
+from ssd_tbe_adapter._store import default_io_threads
 
 STORES: list[tuple[str, Callable[[Path], KVStore]]] = [
     ("memory", lambda _: MemoryStore()),
@@ -275,3 +277,10 @@ def test_rocksdb_close_waits_for_gets_in_flight(tmp_path: Path) -> None:
     assert bool(reopened.get(ids, out).all())
     assert torch.equal(out, rows)
     reopened.close()
+
+
+def test_rocksdb_io_threads_defaults_to_half_the_cores(tmp_path: Path) -> None:
+    """Without `io_threads` the store splits gets over half the cores, 1 to 4."""
+    store = RocksDBStore(tmp_path / "db")
+    assert store.io_threads == default_io_threads() == max(1, min(4, (os.cpu_count() or 2) // 2))
+    store.close()

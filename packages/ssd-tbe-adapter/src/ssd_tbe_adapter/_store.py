@@ -269,6 +269,11 @@ def _import_rocksdict() -> Any:
     return rocksdict
 
 
+def default_io_threads() -> int:
+    """``RocksDBStore``'s default ``io_threads``: half the cores (``os.cpu_count() // 2``), 1 to 4."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
 class RocksDBStore:
     """A :class:`~ssd_tbe_adapter.interfaces.KVStore` on an embedded RocksDB database (``rocksdict``, raw mode).
 
@@ -288,10 +293,12 @@ class RocksDBStore:
     Threads: RocksDB is thread-safe and ``rocksdict`` releases the GIL inside a multi-get, so calls from
     several threads run at once (the store only counts calls in flight, so that :meth:`close` waits for
     them). A ``get`` of at least 2048 ids is split into up to ``io_threads`` contiguous chunks read at once
-    (the calling thread reads one; a small pool owned by the store the others): about 1.7-1.9x on a
-    multi-get of 2,600-10,000 keys with 2 threads on a 2-core host. A ``put`` stays one ``WriteBatch`` written
-    by the calling thread: RocksDB applies a batch on one thread, and splitting it over threads (measured:
-    2 batches from 2 threads were slower than 1) would only give up its atomicity.
+    (the calling thread reads one; a small pool owned by the store the others): 1.3-1.9x per multi-get of
+    2,560-10,240 keys with 2 threads on a 2-core host. The default leaves half the cores to compute: on that
+    2-core host a prefetching training step was *slower* with 2 I/O threads (108 against 96 ms per step),
+    the second thread taking the core the training thread computes on. A ``put`` stays one ``WriteBatch``
+    written by the calling thread: RocksDB applies a batch on one thread, and splitting it over threads
+    (measured: 2 batches from 2 threads were slower than 1) would only give up its atomicity.
 
     Args:
         path: database directory; created when missing if ``create_if_missing``.
@@ -301,8 +308,8 @@ class RocksDBStore:
         max_background_jobs: RocksDB background threads.
         sync_writes: fsync the WAL on every ``put`` (slow; only needed against power loss between flushes).
         mmap_reads: read SST files through ``mmap`` (see above).
-        io_threads: threads one large ``get`` is split over, ``>= 1`` (default ``min(4, os.cpu_count())``;
-            1 reads every batch on the calling thread).
+        io_threads: threads one large ``get`` is split over, ``>= 1``; 1 reads every batch on the calling
+            thread. Default: half the cores, at most 4 (:func:`default_io_threads`).
 
     Raises:
         StoreNotFoundError: ``path`` is missing and ``create_if_missing`` is false.
@@ -324,7 +331,7 @@ class RocksDBStore:
         io_threads: int | None = None,
     ) -> None:
         if io_threads is None:
-            io_threads = min(4, os.cpu_count() or 1)
+            io_threads = default_io_threads()
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ValueError(f"`io_threads` must be an int >= 1 or None, got {io_threads!r}")
         self.io_threads = io_threads
