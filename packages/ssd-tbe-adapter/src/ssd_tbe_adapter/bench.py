@@ -12,7 +12,21 @@ Implementations, run interleaved step by step after a warm-up that fills the cac
 - ``kv-prefetch``: the same with ``prefetch(batch i+1)`` issued before ``forward(batch i)`` (background
   thread), and the step's clock stopped only once that prefetch has finished too (no work leaks out of
   the timed region);
+- ``kv-prefetch-io<n>``: ``kv-prefetch`` with the other ``io_threads`` setting: 2 when the store's default
+  (half the cores, at most 4) is 1, else 1; shows what splitting large gets over I/O threads gives;
 - ``kv-memstore-prefetch``: ``kv-prefetch`` over ``MemoryStore``: the module's own cost without RocksDB.
+
+After those, without compute (host only):
+
+- ``store-io-floor``: per step, exactly as many RocksDB rows read and written as ``kv-prefetch`` measured per
+  step, and nothing else: per table one ``get`` of batch ``k``'s unique ids outside a fixed hot set (the
+  table's ``N / 10`` most popular ids, an ideal static cache), topped up with its other unique ids when
+  those are fewer, then one ``put`` writing back the rows read at step ``k - 1``. Its own store, prefilled
+  like the others, with ``io_threads = min(4, cores)`` (I/O alone may use every core), ``warmup`` steps
+  first. The lower bound of any design over this store at this shape; ``bound_vs_tbe`` =
+  ``max(TBE, floor) / TBE`` is the best ``vs_tbe`` one could reach.
+- ``store-get-<n>`` / ``store-put-<n>``: a RocksDB multi-get (``io_threads`` 1 against ``min(4, cores)``)
+  and a ``WriteBatch`` put of ``n`` random existing ids, interleaved, on the floor's store.
 
 Times are host wall-clock per step (``torch.cuda.synchronize()`` at the end of a step on CUDA).
 ``peak_mem_bytes``: on CUDA the peak allocated device memory of the implementation's steps; on CPU the
@@ -31,17 +45,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from ssd_tbe_adapter import _fbgemm
 from ssd_tbe_adapter._module import KeyValueEmbeddingBags, TableSpec
-from ssd_tbe_adapter._store import MemoryStore, RocksDBStore
+from ssd_tbe_adapter._store import MemoryStore, RocksDBStore, default_io_threads
 from ssd_tbe_adapter._version import __version__
 
 __all__ = ["main"]
+
+FLOOR = "store-io-floor"
+MAX_IO_THREADS = max(2, min(4, os.cpu_count() or 2))
+ALT_IO_THREADS = 2 if default_io_threads() == 1 else 1
+VARIANT = f"kv-prefetch-io{ALT_IO_THREADS}"
+_SEED = 1  # of the batches (and so of each table's hot set)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,14 +88,19 @@ CASES = [Case(tables=4, rows=200_000, dim=64, batch=1024, pooling_factor=16)]
 QUICK = [Case(tables=2, rows=20_000, dim=32, batch=256, pooling_factor=8, warmup=10, steps=10)]
 
 
+def _permutations(case: Case, rng: np.random.Generator) -> list[np.ndarray[Any, np.dtype[np.int64]]]:
+    """Per table, the id of each Zipf rank (rank 0 the most popular): hot ids scattered over the id space,
+    as real feature ids are. The first draws of ``rng``."""
+    return [rng.permutation(case.rows) for _ in range(case.tables)]
+
+
 def _zipf_batches(case: Case, count: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` batches of (indices, offsets): feature-major, fixed pooling factor, Zipf-ranked ids."""
     rng = np.random.default_rng(seed)
     ranks = np.arange(1, case.rows + 1, dtype=np.float64)
     cdf = np.cumsum(ranks**-case.zipf)
     cdf /= cdf[-1]
-    # Hot ids scattered over the id space (a fixed permutation per table), as real feature ids are.
-    permutations = [rng.permutation(case.rows) for _ in range(case.tables)]
+    permutations = _permutations(case, rng)
     n = case.batch * case.pooling_factor
     offsets = torch.arange(0, case.tables * n + 1, case.pooling_factor, dtype=torch.int64)
     batches = []
@@ -108,7 +133,7 @@ def _timed(device: torch.device, step: Callable[[], None]) -> float:
 def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, Any]]:
     """Every implementation of one case, interleaved; one result row each."""
     torch.manual_seed(0)
-    batches = _zipf_batches(case, case.warmup + case.steps + 1, seed=1)
+    batches = _zipf_batches(case, case.warmup + case.steps + 1, seed=_SEED)
     batches = [(i.to(device), o.to(device)) for i, o in batches]
     specs = [TableSpec(f"t{t}", case.dim) for t in range(case.tables)]
     cache_rows = int(case.rows * case.cache_fraction)
@@ -135,9 +160,12 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
         impls["fbgemm-tbe"] = tbe_step
         resident["fbgemm-tbe"] = case.tables * case.rows * (case.dim + 1) * 4
 
-    for name in ("kv-sync", "kv-prefetch", "kv-memstore-prefetch"):
+    io_threads = {VARIANT: ALT_IO_THREADS, FLOOR: MAX_IO_THREADS}
+    for name in ("kv-sync", "kv-prefetch", VARIANT, "kv-memstore-prefetch", FLOOR):
         store: RocksDBStore | MemoryStore = (
-            MemoryStore() if "memstore" in name else RocksDBStore(workdir / name)
+            MemoryStore()
+            if "memstore" in name
+            else RocksDBStore(workdir / name, io_threads=io_threads.get(name))
         )
         module = KeyValueEmbeddingBags(
             specs,
@@ -164,7 +192,7 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
         module.wait_prefetch()
 
     impls["kv-sync"] = sync_step
-    for name in ("kv-prefetch", "kv-memstore-prefetch"):
+    for name in ("kv-prefetch", VARIANT, "kv-memstore-prefetch"):
         impls[name] = lambda k, name=name: prefetch_step(name, k)  # type: ignore[misc]
         modules[name].prefetch(*batches[0])
 
@@ -182,6 +210,20 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
                 times[name].append(elapsed)
                 if device.type == "cuda":
                     peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device))
+    floor = modules.pop(FLOOR)
+    floor_store = cast(RocksDBStore, floor.store)
+    metrics = modules["kv-prefetch"].metrics()
+    reads, writes = (
+        round(metrics["store_rows_read"] / case.steps),
+        round(metrics["store_rows_written"] / case.steps),
+    )
+    times[FLOOR] = _store_io_floor(case, batches, floor_store, reads, writes, floor._layout.record_bytes[0])
+    resident[FLOOR] = 0
+    extra: dict[str, dict[str, Any]] = {
+        FLOOR: {"store_rows_read_per_step": reads, "store_rows_written_per_step": writes}
+    }
+    micro = _store_micro(case, floor_store, floor._layout.record_bytes[0])
+    floor.close()
     results = []
     tbe_median = statistics.median(times["fbgemm-tbe"]) if "fbgemm-tbe" in times else None
     for name, samples in times.items():
@@ -192,10 +234,13 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
             "median_ms": float(quantiles[1]),
             "p10_ms": float(quantiles[0]),
             "p90_ms": float(quantiles[2]),
-            "peak_mem_bytes": peaks[name] if device.type == "cuda" else resident[name],
+            "peak_mem_bytes": peaks.get(name, 0) if device.type == "cuda" else resident[name],
+            **extra.get(name, {}),
         }
         if tbe_median:
             row["vs_tbe"] = float(quantiles[1]) / tbe_median
+            if name == FLOOR:
+                row["bound_vs_tbe"] = max(tbe_median, float(quantiles[1])) / tbe_median
         if name in modules:
             m = modules[name].metrics()
             row["cache_hit_rate"] = m["cache_hit_rate"]
@@ -207,6 +252,91 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
         results.append(row)
     for module in modules.values():
         module.close()
+    return results + micro
+
+
+def _store_io_floor(
+    case: Case,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    store: RocksDBStore,
+    reads: int,
+    writes: int,
+    record_bytes: int,
+) -> list[float]:
+    """Per-step times (ms) of ``reads`` rows read and ``writes`` written, split evenly over the tables, with
+    the ids described in the module docstring (chosen before the clock starts); measured steps only."""
+    hot = _hot_sets(case)
+    n = case.batch * case.pooling_factor
+    per_table_reads = [reads // case.tables + (t < reads % case.tables) for t in range(case.tables)]
+    per_table_writes = [writes // case.tables + (t < writes % case.tables) for t in range(case.tables)]
+    plan: list[list[torch.Tensor]] = []
+    for indices, _ in batches[: case.warmup + case.steps]:
+        ids = indices.cpu().numpy()
+        step = []
+        for t in range(case.tables):
+            unique = np.unique(ids[t * n : (t + 1) * n])
+            cold = unique[~np.isin(unique, hot[t])]
+            if cold.shape[0] < per_table_reads[t]:  # top up with the batch's other ids
+                cold = np.concatenate([cold, unique[np.isin(unique, hot[t])]])
+            step.append(torch.from_numpy(np.sort(cold[: per_table_reads[t]])))
+        plan.append(step)
+    previous = [torch.zeros(0, dtype=torch.int64) for _ in range(case.tables)]
+    previous_rows = [torch.empty(0, record_bytes, dtype=torch.uint8) for _ in range(case.tables)]
+    times = []
+    for k, step in enumerate(plan):
+        start = time.perf_counter()
+        for t, read_ids in enumerate(step):
+            out = torch.empty(read_ids.numel(), record_bytes, dtype=torch.uint8)
+            store.get(read_ids, out, table=t)
+            count = min(per_table_writes[t], previous[t].numel())
+            store.put(previous[t][:count], previous_rows[t][:count], table=t)
+            previous[t], previous_rows[t] = read_ids, out
+        elapsed = (time.perf_counter() - start) * 1e3
+        if k >= case.warmup:
+            times.append(elapsed)
+    return times
+
+
+def _hot_sets(case: Case) -> list[np.ndarray[Any, np.dtype[np.int64]]]:
+    """Per table, the ids of its ``cache_rows`` lowest Zipf ranks (the permutations of :func:`_zipf_batches`)."""
+    cache_rows = int(case.rows * case.cache_fraction)
+    return [np.sort(perm[:cache_rows]) for perm in _permutations(case, np.random.default_rng(_SEED))]
+
+
+def _store_micro(case: Case, store: RocksDBStore, record_bytes: int) -> list[dict[str, Any]]:
+    """Multi-gets of ``n`` ids with one I/O thread and with the store's ``io_threads``, and puts, interleaved."""
+    rng = np.random.default_rng(3)
+    default_threads = store.io_threads
+    results = []
+    for n in (2560, 10240):
+        samples: dict[str, list[float]] = {}
+        for _ in range(5 + case.steps):
+            ids = torch.from_numpy(np.sort(rng.choice(case.rows, n, replace=False)))
+            out = torch.empty(n, record_bytes, dtype=torch.uint8)
+            for threads in dict.fromkeys((1, default_threads)):
+                store.io_threads = threads
+                start = time.perf_counter()
+                store.get(ids, out, table=0)
+                samples.setdefault(f"get io_threads={threads}", []).append(
+                    (time.perf_counter() - start) * 1e3
+                )
+            start = time.perf_counter()
+            store.put(ids, out, table=0)
+            samples.setdefault("put", []).append((time.perf_counter() - start) * 1e3)
+        store.io_threads = default_threads
+        for impl, values in samples.items():
+            quantiles = np.percentile(values[5:], [10, 50, 90])
+            results.append(
+                {
+                    "case": f"store-{impl.split()[0]}-{n}",
+                    "impl": f"rocksdb {impl.split()[1]}" if " " in impl else "rocksdb",
+                    "median_ms": float(quantiles[1]),
+                    "p10_ms": float(quantiles[0]),
+                    "p90_ms": float(quantiles[2]),
+                    "peak_mem_bytes": 0,
+                    "us_per_key": float(quantiles[1]) * 1e3 / n,
+                }
+            )
     return results
 
 
@@ -223,6 +353,14 @@ def _print_table(results: list[dict[str, Any]], device: torch.device) -> None:
             f"{r['case']:<28} {r['impl']:<20} {r['median_ms']:>10.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} "
             f"{vs:>7} {hit:>9} {rate:>13} {r['peak_mem_bytes'] / 2**20:>8.1f}"
         )
+    for r in results:
+        if "bound_vs_tbe" in r:
+            print(
+                f"{r['case']}: {r['impl']} reads {r['store_rows_read_per_step']} and writes "
+                f"{r['store_rows_written_per_step']} rows per step: bound_vs_tbe {r['bound_vs_tbe']:.2f}x"
+            )
+        if "us_per_key" in r:
+            print(f"{r['case']} {r['impl']}: {r['us_per_key']:.2f} us per key")
 
 
 def _plot(results: list[dict[str, Any]], path: Path, device: str) -> None:
@@ -231,6 +369,7 @@ def _plot(results: list[dict[str, Any]], path: Path, device: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = [r for r in results if not r["case"].startswith("store-")]  # the step benchmark only
     cases = sorted({r["case"] for r in results})
     impls = list(dict.fromkeys(r["impl"] for r in results))
     fig, ax = plt.subplots(figsize=(7, 4))
