@@ -89,11 +89,15 @@ def test_dims_disagree_with_fbgemm_tbe() -> None:
         KernelGroup(_fbgemm.new_tbe([10], [8]), ["a"], [4])
 
 
-@pytest.mark.skipif(not _fbgemm.fbgemm_available(), reason="fbgemm unavailable")
-def test_fbgemm_tbe_bounds_check_modes() -> None:
-    """``new_tbe`` names fbgemm's bounds-check modes; an unknown one is rejected by name."""
+def test_unknown_bounds_check_mode_is_rejected_by_name() -> None:
+    """An unknown bounds-check mode fails before fbgemm is even loaded."""
     with pytest.raises(ValueError, match="`bounds_check`"):
         _fbgemm.new_tbe([10], [8], bounds_check="strict")
+
+
+@pytest.mark.skipif(not _fbgemm.fbgemm_available(), reason="fbgemm is not installed: no TBE to configure")
+def test_fbgemm_tbe_bounds_check_mode_reaches_the_tbe() -> None:
+    """``new_tbe(bounds_check=...)`` sets fbgemm's ``BoundsCheckMode`` on the TBE it builds."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 
     tbe = _fbgemm.new_tbe([10], [8], bounds_check="none")
