@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -91,3 +96,67 @@ def test_cap_drops_free_buffers_of_other_sizes(monkeypatch: pytest.MonkeyPatch) 
     assert _host_pool._POOL.retained_bytes() <= 3 * MIN_BYTES
     assert other.untyped_storage().nbytes() >= other.numel() * 4
     assert kept.untyped_storage().nbytes() == 2 * MIN_BYTES
+
+
+class _ReleaseHookLock:
+    """A lock that runs ``hook`` right after each release: the moment another thread could take it."""
+
+    def __init__(self, hook: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._hook = hook
+        self._in_hook = False
+
+    def __enter__(self) -> bool:
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        if not self._in_hook:
+            self._in_hook = True
+            try:
+                self._hook()
+            finally:
+                self._in_hook = False
+
+
+def test_a_free_buffer_is_claimed_before_the_lock_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second caller that takes the lock just after the first one left it gets another buffer."""
+    release_host_buffers()
+    spare = host_empty((_ROWS, _COLS), torch.float32)
+    del spare  # one free pooled buffer
+    stolen: list[torch.Tensor] = []
+    lock = _ReleaseHookLock(lambda: stolen.append(host_empty((_ROWS, _COLS), torch.float32)))
+    monkeypatch.setattr(_host_pool._POOL, "_lock", lock)
+    mine = host_empty((_ROWS, _COLS), torch.float32)
+    assert len(stolen) == 1
+    assert stolen[0].data_ptr() != mine.data_ptr()
+
+
+def test_threads_never_share_a_buffer() -> None:
+    """8 threads x 150 calls: each output holds exactly what its own thread wrote."""
+    release_host_buffers()
+    wrong: list[tuple[int, int]] = []
+    start = threading.Barrier(8)
+
+    def work(thread: int) -> None:
+        start.wait()
+        for call in range(150):
+            token = float(thread * 1000 + call)
+            out = host_empty((_ROWS, _COLS), torch.float32)
+            out.fill_(token)
+            time.sleep(0)  # let the other threads run between the fill and the check
+            if not bool((out == token).all()):
+                wrong.append((thread, call))
+            del out
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert wrong == []

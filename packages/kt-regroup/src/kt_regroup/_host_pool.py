@@ -52,13 +52,22 @@ class _HostPool:
         self._by_class: dict[int, list[torch.UntypedStorage]] = {}
         self._retained = 0
 
-    def storage(self, nbytes: int) -> torch.UntypedStorage:
+    def claim(self, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` on a free pooled buffer of at least ``nbytes`` (or a new one).
+
+        The buffer is picked *and* claimed (the tensor is made on it, so its use count is 2) under the
+        lock: a buffer picked under the lock but claimed after it could be picked by a second thread
+        in between, and both would write to it.
+        """
         size = size_class(nbytes)
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
         with self._lock:
             kept = self._by_class.setdefault(size, [])
             for storage in kept:
                 if _free(storage):
-                    return storage
+                    return torch.empty((0,), dtype=dtype).set_(storage, 0, shape, strides)
             storage = torch.empty((size,), dtype=torch.uint8).untyped_storage()
             cap = _cap_bytes()
             if self._retained + size > cap:
@@ -66,7 +75,7 @@ class _HostPool:
             if self._retained + size <= cap:
                 kept.append(storage)
                 self._retained += size
-            return storage
+            return torch.empty((0,), dtype=dtype).set_(storage, 0, shape, strides)
 
     def _drop_free(self, wanted: int) -> None:
         """Forget free buffers (largest classes first) until ``wanted`` bytes are released or none is free."""
@@ -111,11 +120,7 @@ def host_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or _cap_bytes() == 0 or _USE_COUNT is None:
         return torch.empty(tuple(shape), dtype=dtype)
-    size = tuple(shape)
-    strides = [1] * len(size)
-    for i in range(len(size) - 2, -1, -1):
-        strides[i] = strides[i + 1] * size[i + 1]
-    return torch.empty((0,), dtype=dtype).set_(_POOL.storage(nbytes), 0, size, strides)
+    return _POOL.claim(nbytes, tuple(shape), dtype)
 
 
 def release_host_buffers() -> None:
