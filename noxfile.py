@@ -35,12 +35,12 @@ def group(package_dir: Path, name: str) -> list[str]:
 
 
 def install_package(session: nox.Session, package: str, *groups: str) -> None:
-    """Install one package (with its fbgemm extra) and the given dependency groups, through the pins."""
+    """Install one package (with its fbgemm extra, if it has one) and the given dependency groups, through the pins."""
     session.install(*PIP, *package_requirements(package, *groups))
 
 
 def package_requirements(package: str, *groups: str, editable: bool = False) -> list[str]:
-    """pip arguments for one package with the fbgemm extra matching the pins, plus its dependency groups.
+    """pip arguments for one package with the fbgemm extra matching the pins (if any), plus its dependency groups.
 
     On a GPU runner (``NOX_CONSTRAINTS`` names a gpu- file) the CUDA ``fbgemm`` extra is used and any
     ``fbgemm-gpu-cpu`` a group asks for is dropped: the two distributions provide the same module.
@@ -51,8 +51,14 @@ def package_requirements(package: str, *groups: str, editable: bool = False) -> 
     requirements = [req for name in groups for req in group(package_dir, name)]
     if on_gpu:
         requirements = [req for req in requirements if not req.startswith("fbgemm-gpu-cpu")]
-    target = f"{package_dir}[{extra}]"
+    target = f"{package_dir}[{extra}]" if extra in extras(package_dir) else str(package_dir)
     return [*(["--editable"] if editable else []), target, *requirements]
+
+
+def extras(package_dir: Path) -> set[str]:
+    """The optional-dependency extras the project in ``package_dir`` declares (pipeline-stages has none)."""
+    project = nox.project.load_toml(package_dir / "pyproject.toml")["project"]
+    return set(project.get("optional-dependencies", {}))
 
 
 @nox.session
