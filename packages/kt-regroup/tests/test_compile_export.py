@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -64,20 +66,50 @@ def test_export_has_no_string_arguments() -> None:
     )
 
 
+class _Direct(nn.Module):
+    """Takes two KeyedTensors, returns one regrouped group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.regroup = KTRegroupAsDict([["c", "a"]], ["g"])
+
+    def forward(self, first: KeyedTensor, second: KeyedTensor) -> torch.Tensor:
+        out: dict[str, torch.Tensor] = self.regroup([first, second])
+        return out["g"]
+
+
 def test_export_with_keyed_tensor_inputs() -> None:
     """KeyedTensors are pytree nodes, so they can be the exported module's inputs."""
 
-    class Direct(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.regroup = KTRegroupAsDict([["c", "a"]], ["g"])
-
-        def forward(self, first: KeyedTensor, second: KeyedTensor) -> torch.Tensor:
-            out: dict[str, torch.Tensor] = self.regroup([first, second])
-            return out["g"]
-
     first = KeyedTensor(["a", "b"], [2, 3], torch.randn(4, 5))
     second = KeyedTensor(["c"], [4], torch.randn(4, 4))
-    model = Direct()
+    model = _Direct()
     exported = torch.export.export(model, (first, second))
     torch.testing.assert_close(exported.module()(first, second), model(first, second))
+
+
+def test_exported_keyed_tensor_program_survives_save_and_load(tmp_path: Path) -> None:
+    """torch.export.save / load of a program with KeyedTensor inputs: the loaded one runs new inputs."""
+    first = KeyedTensor(["a", "b"], [2, 3], torch.randn(4, 5))
+    second = KeyedTensor(["c"], [4], torch.randn(4, 4))
+    model = _Direct()
+    path = tmp_path / "direct.pt2"
+    torch.export.save(torch.export.export(model, (first, second)), path)
+    loaded = torch.export.load(path)
+    fresh = (KeyedTensor(["a", "b"], [2, 3], torch.randn(4, 5)), KeyedTensor(["c"], [4], torch.randn(4, 4)))
+    torch.testing.assert_close(loaded.module()(*fresh), model(*fresh))
+    # The example inputs come back as KeyedTensors through a weights-only load.
+    args, _ = loaded.example_inputs
+    assert [type(a) for a in args] == [KeyedTensor, KeyedTensor]
+    assert args[0].keys() == ["a", "b"]
+    assert args[1].length_per_key() == [4]
+
+
+def test_keyed_tensor_loads_with_weights_only(tmp_path: Path) -> None:
+    """A pickled KeyedTensor is rebuilt (and validated) by torch.load(weights_only=True)."""
+    kt = KeyedTensor(["a", "b"], [2, 3], torch.randn(4, 5), key_dim=1)
+    torch.save(kt, tmp_path / "kt.pt")
+    back = torch.load(tmp_path / "kt.pt", weights_only=True)
+    assert isinstance(back, KeyedTensor)
+    assert (back.keys(), back.length_per_key(), back.key_dim()) == (["a", "b"], [2, 3], 1)
+    torch.testing.assert_close(back.values(), kt.values(), rtol=0, atol=0)

@@ -159,6 +159,10 @@ class KeyedTensor:
         start = self.offset_per_key()[index]
         return self._values.narrow(self._key_dim, start, self._length_per_key[index])
 
+    def __reduce__(self) -> tuple[type[KeyedTensor], tuple[list[str], list[int], torch.Tensor, int]]:
+        """Pickle through the validating constructor (also what ``torch.load(weights_only=True)`` allows)."""
+        return (KeyedTensor, (list(self._keys), list(self._length_per_key), self._values, self._key_dim))
+
     def __repr__(self) -> str:
         return (
             f"KeyedTensor(keys=[{_preview(self._keys)}], values={tuple(self._values.shape)} "
@@ -180,11 +184,34 @@ def _unflatten(values: Any, context: Any) -> KeyedTensor:
     return KeyedTensor(list(keys), list(lengths), next(iter(values)), key_dim)
 
 
-# A pytree node, so that torch.export / torch.compile accept KeyedTensors as module inputs and outputs.
+def _to_dumpable_context(context: Any) -> dict[str, Any]:
+    """The pytree context as JSON data, for ``torch.export.save``."""
+    keys, lengths, key_dim = context
+    return {"keys": list(keys), "length_per_key": list(lengths), "key_dim": key_dim}
+
+
+def _from_dumpable_context(dumpable: Any) -> tuple[tuple[str, ...], tuple[int, ...], int]:
+    """The pytree context back from JSON data: the same tuples ``_flatten`` builds, so that a loaded
+    program's input spec equals the spec of the KeyedTensors it is called with."""
+    return (
+        tuple(str(k) for k in dumpable["keys"]),
+        tuple(int(n) for n in dumpable["length_per_key"]),
+        int(dumpable["key_dim"]),
+    )
+
+
+# A pytree node, so that torch.export / torch.compile accept KeyedTensors as module inputs and outputs, and
+# an exported program with KeyedTensor inputs survives torch.export.save / load (JSON has no tuples: without
+# the dumpable-context pair a loaded spec holds lists and no longer matches the inputs' spec).
 pytree.register_pytree_node(
     KeyedTensor,
     _flatten,
     _unflatten,
     serialized_type_name="kt_regroup.KeyedTensor",
+    to_dumpable_context=_to_dumpable_context,
+    from_dumpable_context=_from_dumpable_context,
     flatten_with_keys_fn=_flatten_with_keys,
 )
+# torch.export.save pickles the example inputs; a weights-only load rebuilds them through the constructor,
+# which validates its arguments like any other call.
+torch.serialization.add_safe_globals([KeyedTensor])
