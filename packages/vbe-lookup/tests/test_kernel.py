@@ -11,6 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from vbe_lookup import EmbeddingKernel, TorchEmbeddingKernel, VBEFeatures, _fbgemm
+from vbe_lookup.errors import BatchLayoutError, VBELookupError
 from vbe_lookup.testing import ReferenceOptimizer, random_features, reference_pooled
 
 HAS_FBGEMM = _fbgemm.fbgemm_available()
@@ -224,6 +225,24 @@ def test_empty_batch_and_no_grad() -> None:
     assert y.shape == (1, 4)
     torch.testing.assert_close(kernel.split_embedding_weights()[0], before)
     torch.testing.assert_close(y[0], F.embedding(torch.tensor(1), before))
+
+
+@pytest.mark.parametrize(
+    ("offsets", "match"),
+    [
+        ([1, 2, 3, 4, 4], r"`offsets` must start at 0, got offsets\[0\] = 1"),
+        ([0, 3, 2, 4, 4], r"`offsets` must never decrease, got offsets\[1\] = 3 > offsets\[2\] = 2"),
+        ([0, 1, 2, 3, 5], r"`offsets` must end at len\(`indices`\) = 4, got offsets\[-1\] = 5"),
+        ([0, 1, 2, 3, 3], r"`offsets` must end at len\(`indices`\) = 4, got offsets\[-1\] = 3"),
+    ],
+    ids=["not-from-0", "decreasing", "past-the-ids", "short-of-the-ids"],
+)
+def test_direct_call_rejects_bad_offsets(offsets: list[int], match: str) -> None:
+    """Offsets that do not start at 0, decrease or miss the ids' end raise BatchLayoutError naming `offsets`."""
+    kernel = TorchEmbeddingKernel([10, 10], [4, 4])
+    with pytest.raises(BatchLayoutError, match=match) as info:
+        kernel(torch.tensor([1, 2, 3, 4]), torch.tensor(offsets))
+    assert isinstance(info.value, VBELookupError) and isinstance(info.value, ValueError)
 
 
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "sync-free"])

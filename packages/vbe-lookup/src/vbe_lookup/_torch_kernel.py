@@ -360,7 +360,10 @@ class TorchEmbeddingKernel(nn.Module):
 
         Args:
             indices: ``[N]`` int32/int64 ids, bag after bag (feature → rank → sample).
-            offsets: ``[num_bags + 1]`` bag boundaries into ``indices`` (starting at 0).
+            offsets: ``[num_bags + 1]`` bag boundaries into ``indices``: start at 0, never decrease,
+                end at ``len(indices)``. Checked on CPU (a clear :class:`BatchLayoutError`); on CUDA they
+                are trusted, as fbgemm's TBE trusts them (checking would read them back to the host every
+                call); :class:`~vbe_lookup.GroupedVBELookup` builds them from the lengths.
             per_sample_weights: ``[N]`` float weights multiplying each id's row, or ``None``.
             batch_size_per_feature_per_rank: ``[F][R]`` batch sizes (VBE) or ``None`` (every feature
                 has ``num_bags / F`` samples).
@@ -379,6 +382,8 @@ class TorchEmbeddingKernel(nn.Module):
                 f"`indices` and `offsets` must be 1-D with len(offsets) >= 1, got {tuple(indices.shape)} "
                 f"and {tuple(offsets.shape)}"
             )
+        if offsets.device.type == "cpu":
+            _check_offsets(offsets, indices.numel())
         batch_sizes = batch_size_per_feature_per_rank
         layout = self._checked_layout(num_bags, batch_sizes, indices.device)
         if (vbe_output is None) != (vbe_output_offsets is None):
@@ -453,6 +458,26 @@ def _fused_lookup(
     out = _FusedLookup.apply(plan, placeholder, per_sample_weights, vbe_output)  # type: ignore[no-untyped-call]  # torch leaves apply untyped
     assert isinstance(out, torch.Tensor)
     return out
+
+
+@eager_only  # reads offsets on the host (CPU only): keep it out of graphs
+def _check_offsets(offsets: torch.Tensor, nnz: int) -> None:
+    """``offsets`` start at 0, never decrease and end at ``nnz`` (CPU tensors: no device sync)."""
+    if offsets.is_floating_point() or offsets.dtype == torch.bool:
+        raise BatchLayoutError(f"`offsets` must be an integer tensor, got {offsets.dtype}")
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0:
+        raise BatchLayoutError(f"`offsets` must start at 0, got offsets[0] = {first}")
+    if offsets.numel() > 1:
+        decreasing = offsets[1:] < offsets[:-1]
+        if bool(decreasing.any()):
+            i = int(torch.nonzero(decreasing)[0, 0])
+            raise BatchLayoutError(
+                f"`offsets` must never decrease, got offsets[{i}] = {int(offsets[i])} > "
+                f"offsets[{i + 1}] = {int(offsets[i + 1])}"
+            )
+    if last != nnz:
+        raise BatchLayoutError(f"`offsets` must end at len(`indices`) = {nnz}, got offsets[-1] = {last}")
 
 
 def _table_shapes(
