@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from kt_regroup import KTRegroupAsDict
+from kt_regroup import KeyedTensor, KTRegroupAsDict, LayoutMismatchError, regroup
 
 
 class _SharedListKT:
@@ -46,3 +47,29 @@ def test_same_layout_new_objects_reuses_the_plan() -> None:
         out = module([_SharedListKT(["a", "b"], [2, 3], values)])
         torch.testing.assert_close(out["x"], torch.cat([values[:, 2:], values[:, :2]], dim=1))
     assert len(module._plans) == 1
+
+
+def test_changed_key_dim_of_a_later_input_is_noticed() -> None:
+    """A cached layout whose second input switches to key_dim=0 raises instead of reading it as key_dim=1."""
+    module = KTRegroupAsDict([["b", "a"]], ["x"], backend="torch")
+    first = KeyedTensor(["a"], [4], torch.randn(4, 4))
+    module([first, KeyedTensor(["b"], [4], torch.randn(4, 4))])
+    # Same keys and lengths, [4, 4] values: only key_dim says the blocks now lie along dim 0.
+    transposed = KeyedTensor(["b"], [4], torch.randn(4, 4), key_dim=0)
+    with pytest.raises(
+        LayoutMismatchError, match=r"KeyedTensor 1 has key_dim=0 but KeyedTensor 0 has key_dim=1"
+    ):
+        module([first, transposed])
+    with pytest.raises(LayoutMismatchError, match=r"KeyedTensor 1 has key_dim=0"):
+        regroup([first, transposed], [["b", "a"]])
+
+
+def test_all_inputs_switching_key_dim_get_their_own_plan() -> None:
+    """Every input on key_dim=0 after a key_dim=1 call: a new plan, blocks read along dim 0."""
+    module = KTRegroupAsDict([["b", "a"]], ["x"], backend="torch")
+    values = torch.arange(16.0).view(4, 4)
+    module([KeyedTensor(["a"], [4], values), KeyedTensor(["b"], [4], values + 100)])
+    out = module(
+        [KeyedTensor(["a"], [4], values, key_dim=0), KeyedTensor(["b"], [4], values + 100, key_dim=0)]
+    )
+    torch.testing.assert_close(out["x"], torch.cat([values + 100, values], dim=0))

@@ -279,3 +279,17 @@ def test_module_to_keeps_working_and_matches_the_op() -> None:
     for name, op_out in zip(["x", "y"], via_op, strict=True):
         assert torch.equal(first[name], again[name])
         assert torch.equal(first[name], op_out)
+
+
+def test_functional_plan_cache_keys_on_the_layout_not_the_batch_size() -> None:
+    """40 batch sizes of one layout share one cached plan (and each result is right)."""
+    from kt_regroup import _regroup
+
+    _regroup._PLAN_CACHE.clear()
+    groups = [["b", "a"], ["a"]]
+    for batch in range(1, 41):
+        kt = KeyedTensor(["a", "b"], [2, 3], torch.randn(batch, 5))
+        first, second = regroup([kt], groups, backend="torch")
+        torch.testing.assert_close(first, torch.cat([kt["b"], kt["a"]], dim=1), rtol=0, atol=0)
+        torch.testing.assert_close(second, kt["a"], rtol=0, atol=0)
+    assert len(_regroup._PLAN_CACHE) == 1

@@ -51,12 +51,25 @@ def _constant_plan(
 
 
 def _cached_plan(layout: InputLayout, groups: tuple[tuple[str, ...], ...], backend: str) -> Plan:
-    """Plans of the functional API, kept in a small LRU keyed by layout, groups and backend."""
+    """Plans of the functional API, kept in a small LRU keyed by layout, groups and backend.
+
+    The key leaves out the batch size: a plan does not depend on it, and a varying batch (the last batch
+    of an epoch, VBE) must not fill the LRU with copies of one plan.
+    """
     import os
 
     from kt_regroup._backend import ENV_VAR
 
-    key = (layout, groups, backend, os.environ.get(ENV_VAR, ""))
+    key = (
+        layout.keys,
+        layout.lengths,
+        layout.key_dim,
+        layout.device,
+        layout.dtype,
+        groups,
+        backend,
+        os.environ.get(ENV_VAR, ""),
+    )
     plan = _PLAN_CACHE.get(key)
     if plan is None:
         plan = _plan_for(layout, groups, backend)
@@ -306,10 +319,16 @@ class KTRegroupAsDict(nn.Module):
 
     @staticmethod
     def _check_cheap(keyed_tensors: Sequence[KeyedTensorLike], plan: Plan) -> None:
-        """Per-call checks that cost O(inputs): widths, batch size, device and dtype agree."""
+        """Per-call checks that cost O(inputs): key_dim, widths, batch size, device and dtype agree.
+
+        The layout key holds the first input's ``key_dim`` only, so every other input's is checked here: a
+        ``[W, W]`` input that switched to ``key_dim=0`` would otherwise pass the width check.
+        """
         key_dim = plan.key_dim
         first = keyed_tensors[0].values()
         for index, (kt, width) in enumerate(zip(keyed_tensors, plan.in_lengths, strict=False)):
+            if kt.key_dim() != key_dim:
+                read_layout(keyed_tensors)  # raises the precise LayoutMismatchError
             values = kt.values()
             if values.dim() != 2 or values.size(key_dim) != width:
                 raise LengthMismatchError(
