@@ -83,3 +83,43 @@ def test_module_reads_env_var_when_it_builds_a_plan(monkeypatch: pytest.MonkeyPa
         torch.testing.assert_close(module([kt])["g"], torch.cat([kt["b"], kt["a"]], dim=1))
         (cached,) = module._plans.values()
         assert cached.plan.backend == 1
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="fbgemm-gpu not importable")
+@pytest.mark.parametrize(
+    "groups",
+    [[[]], [[], []], [["z"]], [["a"], []]],
+    ids=["one-empty", "two-empty", "zero-width", "mixed"],
+)
+def test_fbgemm_is_not_called_when_there_is_nothing_to_write(
+    monkeypatch: pytest.MonkeyPatch, groups: list[list[str]]
+) -> None:
+    """fbgemm's CUDA kernel fails on an empty grid (no plan rows, or batch 0): it is only called with work."""
+    from kt_regroup import _fbgemm
+
+    real = _fbgemm.permute_multi_embedding_function
+
+    def like_cuda(
+        values: list[torch.Tensor],
+        permutes: torch.Tensor,
+        in_shapes: torch.Tensor,
+        out_shapes: torch.Tensor,
+        out_lengths: list[int],
+        reverse: bool,
+    ) -> list[torch.Tensor]:
+        # The CUDA launch's grid is (ceil(rows / warps), batch): both must be > 0.
+        assert permutes.size(0) > 0, "fbgemm called with a plan of no rows (grid.x 0 on CUDA)"
+        assert values[0].size(0) > 0, "fbgemm called with batch 0 (grid.y 0 on CUDA)"
+        return real(values, permutes, in_shapes, out_shapes, out_lengths, reverse)
+
+    monkeypatch.setattr(_fbgemm, "permute_multi_embedding_function", like_cuda)
+    values = torch.randn(3, 6, requires_grad=True)
+    kt = KeyedTensor(["a", "z", "b"], [4, 0, 2], values)
+    outputs = regroup([kt], groups, backend="fbgemm")
+    assert [tuple(o.shape) for o in outputs] == [(3, 4 if g == ["a"] else 0) for g in groups]
+    torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+    expected = torch.zeros(3, 6)
+    if ["a"] in groups:
+        expected[:, :4] = 1
+    assert values.grad is not None
+    torch.testing.assert_close(values.grad, expected, rtol=0, atol=0)

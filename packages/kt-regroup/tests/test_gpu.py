@@ -64,6 +64,33 @@ def test_cuda_empty_batch(backend: str, key_dim: int) -> None:
     assert grad is None or grad.numel() == 0
 
 
+# Groups with nothing to write (fbgemm's kernel plan has no rows, or only rows of width 0) next to a normal one.
+EMPTY_GROUPS = [[[]], [[], []], [["z"]], [["a"], []], [["z"], ["b", "z", "a"]]]
+
+
+@pytest.mark.parametrize("backend", CUDA_BACKENDS, ids=CUDA_BACKENDS)
+@pytest.mark.parametrize(
+    "groups", EMPTY_GROUPS, ids=["one-empty", "two-empty", "zero-width", "mixed", "zero-key"]
+)
+def test_cuda_empty_groups_and_no_output_columns(backend: str, groups: list[list[str]]) -> None:
+    """Empty groups / groups of 0 columns give ``[B, 0]`` outputs and exact gradients (fbgemm: no empty grid)."""
+    _need(backend)
+    kts = make_kts([["a", "z", "b"]], [[16, 0, 8]], 5, torch.float32, 1, device="cuda")
+    ref_kts = clone_kts(kts)
+    outputs = regroup(kts, groups, backend=backend)
+    expected = reference(ref_kts, groups)
+    for out, exp in zip(outputs, expected, strict=True):
+        assert out.shape == exp.shape
+        assert torch.equal(out.detach(), exp.detach())
+    run_backward(outputs)
+    run_backward(expected)
+    torch.cuda.synchronize()
+    grad, ref_grad = kts[0].values().grad, ref_kts[0].values().grad
+    assert grad is not None
+    expected_grad = ref_grad if ref_grad is not None else torch.zeros_like(grad)
+    assert torch.equal(grad, expected_grad)
+
+
 @pytest.mark.parametrize("backend", CUDA_BACKENDS, ids=CUDA_BACKENDS)
 @settings(max_examples=25, deadline=None)
 @given(

@@ -29,6 +29,16 @@ def _shapes(like: torch.Tensor, widths: Sequence[int], key_dim: int) -> list[tor
     return [like.new_empty((batch, w) if key_dim == 1 else (w, batch)) for w in widths]
 
 
+def _nothing_to_write(like: torch.Tensor, widths: Sequence[int], key_dim: int) -> bool:
+    """Whether outputs of ``widths`` hold no element (batch 0, or every width 0).
+
+    fbgemm's CUDA kernel launches ``(rows / warps, batch)`` blocks and fails with "grid.x value 0" when
+    either is 0 (an empty batch, or a plan without rows: every group empty), so it is not called then.
+    Shapes only: no host sync.
+    """
+    return like.size(1 - key_dim) == 0 or not any(widths)
+
+
 def forward_impl(
     values: Sequence[torch.Tensor],
     plan: Sequence[torch.Tensor],
@@ -39,8 +49,8 @@ def forward_impl(
     backend: int,
 ) -> list[torch.Tensor]:
     """Run the forward kernel of ``backend`` (no autograd)."""
-    if backend == _FBGEMM and values[0].size(1 - key_dim) == 0:
-        return _shapes(values[0], out_lengths, key_dim)  # fbgemm's CUDA kernel rejects an empty grid
+    if backend == _FBGEMM and _nothing_to_write(values[0], out_lengths, key_dim):
+        return _shapes(values[0], out_lengths, key_dim)
     if backend == _FBGEMM:
         from kt_regroup._fbgemm import permute_multi_embedding_function
 
@@ -64,8 +74,12 @@ def backward_impl(
     backend: int,
 ) -> list[torch.Tensor]:
     """Run the backward kernel of ``backend`` (no autograd)."""
-    if backend == _FBGEMM and grads[0].size(1 - key_dim) == 0:
+    if backend == _FBGEMM and _nothing_to_write(grads[0], in_lengths, key_dim):
         return _shapes(grads[0], in_lengths, key_dim)
+    if backend == _FBGEMM and not any(out_lengths):
+        # No group has a column (every group empty): every input's gradient is 0, and fbgemm would launch
+        # an empty grid (its plan has no rows).
+        return [z.zero_() for z in _shapes(grads[0], in_lengths, key_dim)]
     if backend == _FBGEMM:
         from kt_regroup._fbgemm import permute_multi_embedding_function
 
