@@ -11,7 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ssd_tbe_adapter import KeyValueEmbeddingBags, MemoryStore, TableChunk, TableSpec
+from ssd_tbe_adapter import (
+    KeyValueEmbeddingBags,
+    MemoryStore,
+    RowsNotRestoredWarning,
+    SchemaMismatchError,
+    TableChunk,
+    TableSpec,
+)
 from ssd_tbe_adapter._init import init_rows, table_salt
 
 # ---------------------------------------------------------------------------- reference
@@ -442,7 +449,7 @@ def test_checkpoint_rejects_other_configuration(tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
     src.save_checkpoint(directory)
     dst = KeyValueEmbeddingBags([TableSpec("a", 4)], None, MemoryStore(), cache_rows=2)
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(SchemaMismatchError, match=r"written for tables \[a:3\], this module has \[a:4\]"):
         dst.load_checkpoint(directory)
     with pytest.raises(ValueError, match="expected"):
         dst.restore(
@@ -462,9 +469,10 @@ def test_state_dict_holds_configuration_only() -> None:
     module = KeyValueEmbeddingBags([TableSpec("a", 3)], None, MemoryStore(), cache_rows=2)
     state = module.state_dict()
     assert list(state) == ["_extra_state"]
-    module.load_state_dict(state)
+    with pytest.warns(RowsNotRestoredWarning, match="holds no row"):
+        module.load_state_dict(state)
     other = KeyValueEmbeddingBags([TableSpec("a", 3)], None, MemoryStore(), cache_rows=2, seed=3)
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(SchemaMismatchError, match="`seed` = 0, this module has 3"):
         other.load_state_dict(state)
 
 

@@ -11,9 +11,18 @@ from ssd_tbe_adapter._module import KeyValueEmbeddingBags, TableChunk, TableSpec
 from ssd_tbe_adapter._store import MemoryStore, RocksDBStore
 from ssd_tbe_adapter._version import __version__
 from ssd_tbe_adapter.errors import (
+    ArgumentTypeError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    DiskFullError,
+    InvalidArgumentError,
+    ModuleClosedError,
+    RowsNotRestoredWarning,
+    SchemaMismatchError,
     SSDTBEAdapterError,
     StoreClosedError,
     StoreCorruptError,
+    StoreIOError,
     StoreNotFoundError,
     StoreOpenError,
     StoreUnavailableError,
@@ -21,13 +30,22 @@ from ssd_tbe_adapter.errors import (
 from ssd_tbe_adapter.interfaces import KVStore
 
 __all__ = [
+    "ArgumentTypeError",
+    "CheckpointCorruptError",
+    "CheckpointNotFoundError",
+    "DiskFullError",
+    "InvalidArgumentError",
     "KVStore",
     "KeyValueEmbeddingBags",
     "MemoryStore",
+    "ModuleClosedError",
     "RocksDBStore",
+    "RowsNotRestoredWarning",
     "SSDTBEAdapterError",
+    "SchemaMismatchError",
     "StoreClosedError",
     "StoreCorruptError",
+    "StoreIOError",
     "StoreNotFoundError",
     "StoreOpenError",
     "StoreUnavailableError",

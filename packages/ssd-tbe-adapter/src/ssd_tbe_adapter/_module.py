@@ -17,6 +17,7 @@ cache size or on timing.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -26,16 +27,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from ssd_tbe_adapter._autograd import KVBagFunction
-from ssd_tbe_adapter._checkpoint import read_chunks, read_manifest, write_checkpoint
+from ssd_tbe_adapter._checkpoint import read_chunks, read_manifest, verify_checkpoint, write_checkpoint
 from ssd_tbe_adapter._checks import check_cache_rows, check_feature_table_map, check_options, check_tables
 from ssd_tbe_adapter._init import table_salt
 from ssd_tbe_adapter._optimizer import Optimizer, RowOptimizer
 from ssd_tbe_adapter._plan import Plan, device_inverse, group_batch, plan_batch
 from ssd_tbe_adapter._prefetch import Prefetcher
 from ssd_tbe_adapter._records import RecordLayout
+from ssd_tbe_adapter._schema import check_schema, describe_store, ensure_schema
 from ssd_tbe_adapter._specs import TableChunk, TableSpec
 from ssd_tbe_adapter._tier import CacheTier
-from ssd_tbe_adapter.errors import SSDTBEAdapterError
+from ssd_tbe_adapter.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    ModuleClosedError,
+    RowsNotRestoredWarning,
+    SchemaMismatchError,
+)
 from ssd_tbe_adapter.interfaces import KVStore
 
 __all__ = ["KeyValueEmbeddingBags", "TableChunk", "TableSpec"]
@@ -91,7 +99,7 @@ class KeyValueEmbeddingBags(nn.Module):
         self._dims = [table.dim for table in self._tables]
         self._feature_table_map = check_feature_table_map(feature_table_map, len(self._tables))
         if not isinstance(cast(object, store), KVStore):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"`store` must implement KVStore (get/put/iter_chunks/flush/close), got {type(store).__name__}"
             )
         capacities = check_cache_rows(cache_rows, len(self._tables))
@@ -108,6 +116,16 @@ class KeyValueEmbeddingBags(nn.Module):
         self._cuda = self._device.type == "cuda"
         weight_dtype = torch.float16 if weights_precision == "fp16" else torch.float32
         self._layout = RecordLayout(self._dims, weight_dtype, 1 if optimizer == "rowwise_adagrad" else 0)
+        self._table_numbers = {table.name: number for number, table in enumerate(self._tables)}
+        # The store's schema record: a store written by a differently configured module raises here.
+        self._store_id = ensure_schema(
+            store,
+            {
+                **self._config(),
+                "state_width": self._layout.state_width,
+                "record_bytes": list(self._layout.record_bytes),
+            },
+        )
         self._tier = CacheTier(
             store,
             capacities,
@@ -276,7 +294,7 @@ class KeyValueEmbeddingBags(nn.Module):
             :class:`TableChunk` objects on the CPU.
         """
         if chunk_rows < 1:
-            raise ValueError(f"`chunk_rows` must be >= 1, got {chunk_rows}")
+            raise InvalidArgumentError(f"`chunk_rows` must be >= 1, got {chunk_rows}")
         self.flush()
         for table, spec in enumerate(self._tables):
             for ids, records in self._tier.store.iter_chunks(table=table, chunk_rows=chunk_rows):
@@ -288,23 +306,28 @@ class KeyValueEmbeddingBags(nn.Module):
         the cache is emptied, then the rows are written and the store flushed. Rows absent from the
         checkpoint start again from their deterministic initialisation.
 
+        ``chunks`` is consumed as it comes, so a chunk that fails its checks after earlier ones were written
+        leaves the tables partly restored; :meth:`load_checkpoint` checks the whole checkpoint first.
+
         Raises:
-            ValueError: a chunk names an unknown table or has the wrong row width, dtype or state width.
+            InvalidArgumentError: a chunk names an unknown table or has the wrong row width, dtype or state
+                width (nothing of that chunk's table was cleared yet if it is the table's first chunk).
         """
+        self._restore(chunks, clear=())
+
+    def _restore(self, chunks: Iterable[TableChunk], *, clear: Iterable[int]) -> None:
+        """:meth:`restore`, clearing the tables ``clear`` too (even when no chunk names them)."""
         self.flush()
-        names = {spec.name: table for table, spec in enumerate(self._tables)}
         cleared: set[int] = set()
         tier = self._tier
         with tier.lock:
             for cache in tier.caches:
                 cache.clear()
+            for table in clear:
+                tier.store.clear_table(table=table)
+                cleared.add(table)
             for chunk in chunks:
-                table = names.get(chunk.table)
-                if table is None:
-                    raise ValueError(
-                        f"checkpoint chunk names table `{chunk.table}`, not one of {sorted(names)}"
-                    )
-                self._layout.check_chunk(table, chunk, self.optimizer)
+                table = self._check_chunk(chunk)
                 if table not in cleared:
                     tier.store.clear_table(table=table)
                     cleared.add(table)
@@ -312,32 +335,60 @@ class KeyValueEmbeddingBags(nn.Module):
                 tier.store_put(table, chunk.ids.contiguous(), records)
             tier.store.flush()
 
+    def _check_chunk(self, chunk: TableChunk) -> int:
+        """The table number of ``chunk``; raises :class:`InvalidArgumentError` unless its rows fit that table."""
+        table = self._table_numbers.get(chunk.table)
+        if table is None:
+            raise InvalidArgumentError(
+                f"checkpoint chunk names table `{chunk.table}`, not one of {sorted(self._table_numbers)}"
+            )
+        self._layout.check_chunk(table, chunk, self.optimizer)
+        return table
+
     def save_checkpoint(self, directory: str | Path, *, chunk_rows: int = 65536) -> int:
-        """Write :meth:`checkpoint` to ``directory`` (one ``torch.save`` file per chunk plus
-        ``manifest.json``), chunk by chunk.
+        """Write :meth:`checkpoint` to ``directory`` atomically: one ``torch.save`` file per chunk plus
+        ``manifest.json`` with each file's size and SHA-256, chunk by chunk.
+
+        The files go to a temporary directory first (each fsynced), which is renamed into place; a manifest
+        rename is the commit point. A process killed at any moment, a full disk or a store error leaves the
+        previous checkpoint in ``directory`` whole and loadable, never a mix.
 
         Returns:
             The number of rows written.
+
+        Raises:
+            DiskFullError: no space left for the checkpoint (the previous one is intact; retry once freed).
+            StoreIOError: another I/O error writing the checkpoint.
+            StoreCorruptError: the store is damaged (see :meth:`checkpoint`).
         """
         return write_checkpoint(directory, self.checkpoint(chunk_rows=chunk_rows), self.get_extra_state())
 
     def load_checkpoint(self, directory: str | Path) -> int:
         """Restore from a :meth:`save_checkpoint` directory, one chunk in memory at a time.
 
+        The whole checkpoint is checked first (manifest against this module's configuration, then every file's
+        size, checksum, decoding and row layout, and the row count); only then are this module's tables
+        cleared and refilled. A bad checkpoint raises and leaves the live tables as they were. Every table of
+        the module is cleared, also those the checkpoint holds no row of.
+
         Returns:
             The number of rows restored.
 
         Raises:
-            FileNotFoundError: ``directory`` has no ``manifest.json``.
-            ValueError: the checkpoint was written by a differently configured module.
+            CheckpointNotFoundError: ``directory`` has no ``manifest.json``.
+            CheckpointCorruptError: a file is missing, truncated, damaged or does not fit (names the file).
+            SchemaMismatchError: the checkpoint was written by a differently configured module.
         """
         manifest = read_manifest(directory)
-        self.set_extra_state({key: manifest[key] for key in self.get_extra_state()})
-        self.restore(read_chunks(directory, manifest))
+        self._check_config(
+            {key: manifest.get(key) for key in self._config()}, f"checkpoint {str(directory)!r}"
+        )
+        verify_checkpoint(directory, manifest, self._check_chunk)
+        self._restore(read_chunks(directory, manifest), clear=range(len(self._tables)))
         return int(manifest["rows"])
 
-    def get_extra_state(self) -> dict[str, Any]:
-        """The configuration (not the rows: those are in the store; use :meth:`checkpoint`)."""
+    def _config(self) -> dict[str, Any]:
+        """What checkpoints and state dicts record of the configuration (compared on load)."""
         return {
             "tables": [[table.name, table.dim] for table in self._tables],
             "optimizer": self.optimizer,
@@ -345,18 +396,53 @@ class KeyValueEmbeddingBags(nn.Module):
             "seed": self.seed,
         }
 
+    def _check_config(self, theirs: dict[str, Any], where: str) -> None:
+        """Raise :class:`SchemaMismatchError` naming the first field of ``theirs`` that differs from ours."""
+        check_schema(theirs, self._config(), where)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The configuration and the id of the store (not the rows: those are in the store; use
+        :meth:`save_checkpoint` / :meth:`checkpoint`)."""
+        return {**self._config(), "store_id": self._store_id}
+
     def set_extra_state(self, state: Any) -> None:
-        """Check that a saved configuration matches this module's.
+        """Check that a saved configuration matches this module's (``load_state_dict`` calls this).
+
+        A state dict carries no rows. When it comes from another store than this module's, or this module's
+        store holds no row, a :class:`~ssd_tbe_adapter.errors.RowsNotRestoredWarning` says that the rows were
+        not restored (use :meth:`load_checkpoint` or :meth:`restore`).
 
         Raises:
-            ValueError: tables, optimizer, precision or seed differ.
+            SchemaMismatchError: tables, optimizer, precision or seed differ.
         """
-        mine = self.get_extra_state()
-        theirs = {key: state.get(key) for key in mine} if isinstance(state, dict) else state
-        if isinstance(theirs, dict) and "tables" in theirs and theirs["tables"] is not None:
-            theirs["tables"] = [list(item) for item in theirs["tables"]]
-        if theirs != mine:
-            raise ValueError(f"saved configuration {theirs!r} does not match this module's {mine!r}")
+        if not isinstance(state, dict):
+            raise SchemaMismatchError(
+                f"saved configuration {state!r} is not a dict, expected {self._config()!r}"
+            )
+        self._check_config({key: state.get(key) for key in self._config()}, "the state dict")
+        their_store = state.get("store_id")
+        if not self._store_has_rows() or (their_store is not None and their_store != self._store_id):
+            warnings.warn(
+                RowsNotRestoredWarning(
+                    "load_state_dict restored only the configuration of this KeyValueEmbeddingBags: its rows live "
+                    f"in the store, not in the state dict, and {describe_store(self.store)} "
+                    + (
+                        "holds no row"
+                        if not self._store_has_rows()
+                        else f"is not the store the state dict came from (store id {their_store})"
+                    )
+                    + "; use save_checkpoint()/load_checkpoint() (or checkpoint()/restore()) to move rows"
+                ),
+                stacklevel=3,
+            )
+
+    def _store_has_rows(self) -> bool:
+        """Whether the store holds a row of any of this module's tables."""
+        store = self._tier.store
+        return any(
+            next(iter(store.iter_chunks(table=table, chunk_rows=1)), None) is not None
+            for table in range(len(self._tables))
+        )
 
     def close(self) -> None:
         """Flush, stop the prefetch thread and close the store; idempotent."""
@@ -379,7 +465,7 @@ class KeyValueEmbeddingBags(nn.Module):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise SSDTBEAdapterError("this KeyValueEmbeddingBags was closed")
+            raise ModuleClosedError("this KeyValueEmbeddingBags was closed")
 
     def _layout_args(self) -> dict[str, Any]:
         """The keyword arguments :func:`plan_batch` takes from this module."""

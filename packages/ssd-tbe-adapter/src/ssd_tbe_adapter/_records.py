@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from ssd_tbe_adapter._specs import TableChunk
+from ssd_tbe_adapter.errors import InvalidArgumentError
 
 __all__ = ["RecordLayout"]
 
@@ -72,15 +73,15 @@ class RecordLayout:
         return weights, state
 
     def check_chunk(self, table: int, chunk: TableChunk, optimizer: str) -> None:
-        """Raise ``ValueError`` unless ``chunk`` fits ``table``'s records (``optimizer`` names the state)."""
+        """Raise :class:`InvalidArgumentError` unless ``chunk`` fits ``table``'s records (``optimizer`` names the state)."""
         dim = self.dims[table]
         if chunk.weights.shape[1] != dim or chunk.weights.dtype != self.weight_dtype:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"chunk of `{chunk.table}` has weights {chunk.weights.dtype} [.., {chunk.weights.shape[1]}], "
                 f"expected {self.weight_dtype} [.., {dim}]"
             )
         if chunk.optimizer_state.shape[1] != self.state_width:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"chunk of `{chunk.table}` has {chunk.optimizer_state.shape[1]} optimizer state columns, "
                 f"expected {self.state_width} ({optimizer})"
             )
