@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from examples.dlrm.data import (
     CRITEO_KAGGLE_CARDINALITIES,
@@ -75,6 +74,8 @@ class TrainConfig:
     batch_pool: int = 0
     regroup_backend: str = "auto"
     device: str = "auto"
+    graph_dense: bool = True
+    graph_granularity: int = 512
     extra: dict[str, Any] = field(default_factory=dict)
 
     def embedding_config(self, world_size: int) -> EmbeddingConfig:
@@ -286,7 +287,15 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         seed=config.seed,
     ).to(device)
     dense_params = model.dense_parameters()
-    optimizer = torch.optim.Adagrad(dense_params, lr=config.dense_lr)
+    optimizer = torch.optim.Adagrad(dense_params, lr=config.dense_lr, foreach=True)
+    if config.graph_dense and device.type == "cuda":
+        # The dense part as CUDA graph replays (one per padded batch size): host work under GPU work.
+        low = config.batch_size if config.min_batch_size is None else config.min_batch_size
+        model.capture_dense(
+            min_batch=1 if config.data else low,  # a TSV file's last batch may be short
+            max_batch=config.batch_size,
+            granularity=config.graph_granularity,
+        )
 
     start = 0
     history: dict[str, list[float]] = {"loss": [], "samples": [], "seconds": []}
@@ -355,8 +364,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         if batch is None:
             break
         optimizer.zero_grad(set_to_none=True)
-        logits = model(batch)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        loss = model.train_loss(batch)
         timer.lap("forward")
         loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is unannotated in torch
         timer.lap("backward (incl. fused sparse optimizer)")
@@ -658,6 +666,17 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     )
     p.add_argument("--regroup-backend", default=defaults.regroup_backend)
     p.add_argument("--device", default=defaults.device, help="auto, cpu, cuda")
+    p.add_argument(
+        "--no-graph-dense",
+        action="store_true",
+        help="on CUDA, run the dense part eagerly instead of as CUDA graph replays",
+    )
+    p.add_argument(
+        "--graph-granularity",
+        type=int,
+        default=defaults.graph_granularity,
+        help="CUDA graphs: batches are padded to a multiple of this many samples",
+    )
     a = p.parse_args(argv)
     return TrainConfig(
         out=a.out,
@@ -684,6 +703,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         log_every=a.log_every,
         batch_pool=a.batch_pool,
         regroup_backend=a.regroup_backend,
+        graph_dense=not a.no_graph_dense,
+        graph_granularity=a.graph_granularity,
         device=a.device,
     )
 
