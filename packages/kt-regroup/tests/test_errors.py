@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
 from kt_regroup import (
     AmbiguousKeyError,
+    ArgumentTypeError,
     BackendUnavailableError,
     InvalidGroupsError,
     KeyedTensor,
@@ -135,11 +139,118 @@ def test_empty_input_list() -> None:
         regroup([], [["f1"]])
 
 
-def test_integer_values_are_rejected() -> None:
-    """Only floating-point values are regrouped."""
-    kt = KeyedTensor(["a"], [2], torch.zeros(3, 2, dtype=torch.int64))
+def test_integer_values_are_rejected_at_construction() -> None:
+    """A KeyedTensor of int64 values is rejected when it is made, not first when it is regrouped."""
+    with pytest.raises(
+        LayoutMismatchError, match=r"`values` have dtype torch.int64; expected a floating-point dtype"
+    ):
+        KeyedTensor(["a"], [2], torch.zeros(3, 2, dtype=torch.int64))
+
+
+def test_integer_values_of_a_foreign_keyed_tensor_are_rejected() -> None:
+    """A KeyedTensor-like of int values (not built by us) is rejected by regroup, before any kernel."""
+
+    class IntValues(_BadLengths):
+        def length_per_key(self) -> list[int]:
+            return [2, 3]
+
+        def values(self) -> torch.Tensor:
+            return torch.zeros(3, 5, dtype=torch.int64)
+
     with pytest.raises(LayoutMismatchError, match=r"expected a floating-point dtype"):
-        regroup([kt], [["a"]])
+        regroup([IntValues()], [["a"]])
+
+
+_KT = KeyedTensor(["a", "b"], [2, 3], torch.randn(4, 5))
+# Wrong-typed arguments, typed Any: the wrong type is the test.
+_NONE: Any = None
+_TENSOR: Any = torch.randn(4, 5)
+_SINGLE: Any = _KT
+_HALVES: Any = [2.5, 2.5]
+_FLOATS: Any = [2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    ("call", "pattern"),
+    [
+        (
+            lambda: regroup([_TENSOR], [["a"]]),
+            r"`keyed_tensors\[0\]` is a plain torch.Tensor of shape \(4, 5\)",
+        ),
+        (
+            lambda: KTRegroupAsDict([["a"]], ["g"])([_KT, _TENSOR]),
+            r"`keyed_tensors\[1\]` is a plain torch.Tensor",
+        ),
+        (
+            lambda: regroup([_KT, _NONE], [["a"]]),
+            r"`keyed_tensors\[1\]` is None; expected a KeyedTensor-like",
+        ),
+        (lambda: KTRegroupAsDict([["a"]], ["g"])([_NONE]), r"`keyed_tensors\[0\]` is None"),
+        (lambda: regroup([_KT], _NONE), r"`groups` must be a list of lists of keys; got None"),
+        (lambda: KTRegroupAsDict(_NONE, ["g"]), r"`groups` must be a list of lists of keys; got None"),
+        (lambda: regroup([_KT], [["a"], _NONE]), r"group 1 of `groups` is None; expected a list of keys"),
+        (
+            lambda: regroup_as_dict([_KT], [["a"]], _NONE),
+            r"`keys` must be a list of names, one per group; got None",
+        ),
+        (
+            lambda: KTRegroupAsDict([["a"]], ["g"])(_SINGLE),
+            r"`keyed_tensors` is a single KeyedTensor; expected a list of them \(write \[kt\]\)",
+        ),
+        (lambda: regroup(_SINGLE, [["a"]]), r"`keyed_tensors` is a single KeyedTensor"),
+        (
+            lambda: KeyedTensor("ab", [2, 3], torch.randn(4, 5)),
+            r"`keys` must be a list of str; got the str 'ab'",
+        ),
+        (
+            lambda: KeyedTensor(["a", "b"], _HALVES, torch.randn(4, 5)),
+            r"`length_per_key` holds 2.5 \(float\); expected int widths",
+        ),
+        (
+            lambda: KeyedTensor(["a", "b"], _FLOATS, torch.randn(4, 5)),
+            r"`length_per_key` holds 2.0 \(float\)",
+        ),
+    ],
+    ids=[
+        "plain-tensor",
+        "plain-tensor-module",
+        "none-in-list",
+        "none-in-list-module",
+        "groups-none",
+        "groups-none-module",
+        "group-none",
+        "names-none",
+        "single-kt-module",
+        "single-kt-regroup",
+        "str-keys",
+        "float-lengths",
+        "integral-float-lengths",
+    ],
+)
+def test_wrong_argument_types_raise_argument_type_error(call: Callable[[], object], pattern: str) -> None:
+    """Wrong types give ArgumentTypeError (a KTRegroupError and a TypeError) naming the argument."""
+    with pytest.raises(ArgumentTypeError, match=pattern) as info:
+        call()
+    assert isinstance(info.value, TypeError)
+    assert isinstance(info.value, KTRegroupError)
+
+
+def test_float_lengths_of_a_foreign_keyed_tensor_are_not_truncated() -> None:
+    """A KeyedTensor-like reporting float lengths is an error, not silently truncated widths."""
+
+    class FloatLengths(_BadLengths):
+        def length_per_key(self) -> list[int]:
+            return [2.5, 2.5]  # type: ignore[list-item]  # the wrong type is the test
+
+    with pytest.raises(ArgumentTypeError, match=r"KeyedTensor 0's `length_per_key` holds 2.5"):
+        regroup([FloatLengths()], [["a"]])
+
+
+def test_integer_like_lengths_are_accepted() -> None:
+    """numpy-free integer scalars (0-d int tensors) count as int widths."""
+    kt = KeyedTensor(["a", "b"], [torch.tensor(2), torch.tensor(3)], torch.randn(4, 5))  # type: ignore[list-item]  # int-like
+    assert kt.length_per_key() == [2, 3]
+    assert all(type(n) is int for n in kt.length_per_key())
 
 
 def test_unknown_and_unavailable_backends() -> None:

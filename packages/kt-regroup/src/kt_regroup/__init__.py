@@ -16,6 +16,7 @@ from kt_regroup._regroup import KTRegroupAsDict, regroup, regroup_as_dict
 from kt_regroup._version import __version__
 from kt_regroup.errors import (
     AmbiguousKeyError,
+    ArgumentTypeError,
     BackendUnavailableError,
     InvalidGroupsError,
     KTRegroupError,
@@ -28,6 +29,7 @@ from kt_regroup.interfaces import KeyedTensorLike
 
 __all__ = [
     "AmbiguousKeyError",
+    "ArgumentTypeError",
     "BackendUnavailableError",
     "InvalidGroupsError",
     "KTRegroupAsDict",

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
+from kt_regroup._spec import as_lengths
 from kt_regroup.errors import (
     AmbiguousKeyError,
+    ArgumentTypeError,
     InvalidGroupsError,
     LayoutMismatchError,
     LengthMismatchError,
@@ -32,15 +34,16 @@ class KeyedTensor:
         keys: the key (feature) names, unique, in layout order.
         length_per_key: the width of each key's block along ``key_dim``, each ``>= 0``.
         values: ``[B, sum(length_per_key)]`` when ``key_dim == 1`` (the fast path) or
-            ``[sum(length_per_key), B]`` when ``key_dim == 0``; any device and floating dtype.
+            ``[sum(length_per_key), B]`` when ``key_dim == 0``; any device, a floating-point dtype.
         key_dim: 0 or 1.
 
     Raises:
+        ArgumentTypeError: ``keys`` is a ``str`` (or not a list), or a length is not an int (never truncated).
         InvalidGroupsError: a key is not a ``str``.
         AmbiguousKeyError: a key appears twice.
         LengthMismatchError: ``length_per_key`` has another length than ``keys``, holds a negative
             value, or does not sum to ``values.size(key_dim)``.
-        LayoutMismatchError: ``values`` is not 2-D or ``key_dim`` is not 0 or 1.
+        LayoutMismatchError: ``values`` is not a 2-D floating-point tensor or ``key_dim`` is not 0 or 1.
     """
 
     __slots__ = ("_key_dim", "_keys", "_length_per_key", "_offset_per_key", "_values")
@@ -58,13 +61,22 @@ class KeyedTensor:
         values: torch.Tensor,
         key_dim: int = 1,
     ) -> None:
+        if isinstance(keys, str) or not isinstance(keys, Iterable):
+            # A str is iterable: KeyedTensor("ab", ...) would silently mean keys "a" and "b".
+            got = f"the str {keys!r}" if isinstance(keys, str) else type(keys).__name__
+            raise ArgumentTypeError(f"`keys` must be a list of str; got {got} (write [{keys!r}] for one key)")
         keys_t = tuple(keys)
-        lengths_t = tuple(int(n) for n in length_per_key)
+        lengths_t = as_lengths(length_per_key, "`length_per_key`")
         if key_dim not in (0, 1):
             raise LayoutMismatchError(f"`key_dim` is {key_dim!r}; expected 0 or 1")
         if not isinstance(values, torch.Tensor) or values.dim() != 2:
             shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
             raise LayoutMismatchError(f"`values` must be a 2-D tensor; got {shape}")
+        if not values.dtype.is_floating_point:
+            # Checked here, not first at regroup time: every regroup path rejects other dtypes.
+            raise LayoutMismatchError(
+                f"`values` have dtype {values.dtype}; expected a floating-point dtype (pooled embeddings)"
+            )
         for key in keys_t:
             if not isinstance(key, str):
                 raise InvalidGroupsError(f"`keys` must hold str; got {key!r} ({type(key).__name__})")

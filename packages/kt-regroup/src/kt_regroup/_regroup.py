@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,8 +13,8 @@ from torch import nn
 from kt_regroup._backend import resolve_backend
 from kt_regroup._ops import PlanArgs, run_permute
 from kt_regroup._plan import Plan, PlanData, build_plan, build_plan_data, make_tensors
-from kt_regroup._spec import InputLayout, build_spec, normalize_groups, read_layout
-from kt_regroup.errors import InvalidGroupsError, LayoutMismatchError, LengthMismatchError
+from kt_regroup._spec import InputLayout, build_spec, check_keyed_tensors, normalize_groups, read_layout
+from kt_regroup.errors import ArgumentTypeError, InvalidGroupsError, LayoutMismatchError, LengthMismatchError
 from kt_regroup.interfaces import KeyedTensorLike
 
 __all__ = ["KTRegroupAsDict", "regroup", "regroup_as_dict"]
@@ -124,6 +124,8 @@ def regroup(
         LayoutMismatchError: inputs differ in batch size, device, dtype or key_dim.
         LengthMismatchError: an input's lengths do not match its values.
         InvalidGroupsError: ``groups`` is malformed.
+        ArgumentTypeError: ``keyed_tensors`` is not a list of KeyedTensor-likes (a single one, a plain tensor
+            or ``None`` in it), ``groups`` or a group is ``None``, or a length is not an int.
         UnknownBackendError, BackendUnavailableError: see ``backend``.
     """
     groups_t = normalize_groups(groups)
@@ -134,7 +136,14 @@ def regroup(
 def _check_names(groups: tuple[tuple[str, ...], ...], keys: Sequence[str]) -> tuple[str, ...]:
     if isinstance(keys, str):
         raise InvalidGroupsError(f"`keys` must be a list of names, one per group; got the str {keys!r}")
+    given: object = keys  # callers without type checking pass None
+    if not isinstance(given, Iterable):
+        got = "None" if given is None else type(given).__name__
+        raise ArgumentTypeError(f"`keys` must be a list of names, one per group; got {got}")
     names = tuple(keys)
+    for name in names:
+        if not isinstance(name, str):
+            raise InvalidGroupsError(f"`keys` holds {name!r} ({type(name).__name__}); expected str names")
     if len(names) != len(groups):
         raise InvalidGroupsError(f"`keys` has {len(names)} names but `groups` has {len(groups)} groups")
     if len(set(names)) != len(names):
@@ -236,10 +245,18 @@ class KTRegroupAsDict(nn.Module):
 
     def forward(self, keyed_tensors: list[KeyedTensorLike]) -> dict[str, torch.Tensor]:
         """``{name: [B, sum(dims)]}`` for every group (``[sum(dims), B]`` for ``key_dim == 0`` inputs)."""
+        given: object = keyed_tensors  # callers without type checking pass a single KeyedTensor
+        if not isinstance(given, (list, tuple)):
+            check_keyed_tensors(given)  # raises (a single KeyedTensor would be indexed by key `0`)
         if not keyed_tensors:
             raise LayoutMismatchError("`keyed_tensors` is empty: at least one KeyedTensor is needed")
-        first = keyed_tensors[0].values()
-        key = self._layout_key(keyed_tensors, first)
+        try:
+            first = keyed_tensors[0].values()
+            key = self._layout_key(keyed_tensors, first)
+        except (AttributeError, RuntimeError):
+            # A plain tensor (its values() is the sparse op) or None in the list: say so, not the raw error.
+            check_keyed_tensors(keyed_tensors)
+            raise
         cached = self._plans.get(key)
         if cached is None and torch.compiler.is_compiling():
             return self._traced_cold(keyed_tensors, key)

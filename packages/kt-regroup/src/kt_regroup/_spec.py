@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kt_regroup.errors import (
     AmbiguousKeyError,
+    ArgumentTypeError,
     InvalidGroupsError,
     LayoutMismatchError,
     LengthMismatchError,
@@ -18,7 +21,19 @@ from kt_regroup.errors import (
 )
 from kt_regroup.interfaces import KeyedTensorLike
 
-__all__ = ["Entry", "InputLayout", "RegroupSpec", "build_spec", "normalize_groups", "read_layout"]
+__all__ = [
+    "Entry",
+    "InputLayout",
+    "RegroupSpec",
+    "as_lengths",
+    "build_spec",
+    "check_keyed_tensors",
+    "normalize_groups",
+    "read_layout",
+]
+
+# What regroup calls on each input (the KeyedTensorLike Protocol's methods).
+_KT_METHODS = ("keys", "length_per_key", "values", "key_dim")
 
 
 def _preview(keys: Sequence[str], limit: int = 6) -> str:
@@ -71,19 +86,91 @@ class InputLayout:
     dtype: torch.dtype
 
 
+def _type_name(value: object) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def as_lengths(lengths: Iterable[Any], where: str) -> tuple[int, ...]:
+    """``lengths`` as a tuple of ints; a float (or other non-integer) length is an error, never truncated.
+
+    Args:
+        lengths: the widths (ints, or integer scalars such as ``numpy.int64`` or 0-d integer tensors).
+        where: how the error names the argument, e.g. ``"`length_per_key`"``.
+
+    Raises:
+        ArgumentTypeError: ``lengths`` is not a list, or holds a value that is not an integer.
+    """
+    if lengths is None or isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
+        raise ArgumentTypeError(f"{where} must be a list of int widths; got {_type_name(lengths)}")
+    try:
+        return tuple(map(operator.index, lengths))
+    except TypeError:
+        bad = next(n for n in lengths if not _is_index(n))
+        raise ArgumentTypeError(
+            f"{where} holds {bad!r} ({_type_name(bad)}); expected int widths (a float is not truncated)"
+        ) from None
+
+
+def _is_index(value: Any) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def check_keyed_tensors(keyed_tensors: object) -> None:
+    """Raise a precise error unless ``keyed_tensors`` is a list (or tuple) of KeyedTensor-likes.
+
+    Raises:
+        ArgumentTypeError: a single KeyedTensor, or a list holding a plain tensor, ``None`` or another object
+            without ``keys()``, ``length_per_key()``, ``values()`` and ``key_dim()``.
+    """
+    if not isinstance(keyed_tensors, (list, tuple)):
+        if all(hasattr(keyed_tensors, name) for name in _KT_METHODS):
+            raise ArgumentTypeError(
+                f"`keyed_tensors` is a single {type(keyed_tensors).__name__}; expected a list of them "
+                "(write [kt])"
+            )
+        raise ArgumentTypeError(
+            f"`keyed_tensors` must be a list of KeyedTensor-likes; got {_type_name(keyed_tensors)}"
+        )
+    for index, kt in enumerate(keyed_tensors):
+        if isinstance(kt, torch.Tensor):
+            raise ArgumentTypeError(
+                f"`keyed_tensors[{index}]` is a plain torch.Tensor of shape {tuple(kt.shape)}; expected a "
+                "KeyedTensor-like (wrap it: KeyedTensor(keys, length_per_key, values))"
+            )
+        if kt is None:
+            raise ArgumentTypeError(f"`keyed_tensors[{index}]` is None; expected a KeyedTensor-like")
+        missing = [name for name in _KT_METHODS if not callable(getattr(kt, name, None))]
+        if missing:
+            raise ArgumentTypeError(
+                f"`keyed_tensors[{index}]` is {_type_name(kt)}, which has no "
+                f"{', '.join(f'`{m}()`' for m in missing)}; expected a KeyedTensor-like"
+            )
+
+
 def normalize_groups(groups: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
     """``groups`` as a tuple of tuples of str.
 
     Raises:
         InvalidGroupsError: ``groups`` or one of its groups is a bare ``str``, or a name is not a ``str``.
+        ArgumentTypeError: ``groups`` or one of its groups is ``None`` or not a list.
     """
     if isinstance(groups, str):
         raise InvalidGroupsError(f"`groups` must be a list of lists of keys; got the str {groups!r}")
+    if not isinstance(groups, Iterable):
+        raise ArgumentTypeError(f"`groups` must be a list of lists of keys; got {_type_name(groups)}")
     result = []
     for index, group in enumerate(groups):
         if isinstance(group, str):
             raise InvalidGroupsError(
                 f"group {index} of `groups` is the str {group!r}; expected a list of keys (write [{group!r}])"
+            )
+        if not isinstance(group, Iterable):
+            raise ArgumentTypeError(
+                f"group {index} of `groups` is {_type_name(group)}; expected a list of keys"
             )
         names = tuple(group)
         for name in names:
@@ -99,14 +186,12 @@ def read_layout(keyed_tensors: Sequence[KeyedTensorLike]) -> InputLayout:
     """Check the inputs agree with each other and with their own lengths; return their layout.
 
     Raises:
+        ArgumentTypeError: see :func:`check_keyed_tensors`; a length is not an int.
         LayoutMismatchError: no inputs, values not 2-D, or ``key_dim`` / batch size / device / dtype differ
             between inputs, or the dtype is not floating point.
         LengthMismatchError: an input's ``length_per_key`` does not match its keys or its values' width.
     """
-    if not isinstance(keyed_tensors, (list, tuple)):
-        raise LayoutMismatchError(
-            f"`keyed_tensors` must be a list of KeyedTensor-likes; got {type(keyed_tensors).__name__}"
-        )
+    check_keyed_tensors(keyed_tensors)
     if len(keyed_tensors) == 0:
         raise LayoutMismatchError("`keyed_tensors` is empty: at least one KeyedTensor is needed")
     keys = []
@@ -140,7 +225,7 @@ def read_layout(keyed_tensors: Sequence[KeyedTensorLike]) -> InputLayout:
                 f"KeyedTensor {index} has dtype {values.dtype} but KeyedTensor 0 has {first.dtype}"
             )
         kt_keys = tuple(kt.keys())
-        kt_lengths = tuple(int(n) for n in kt.length_per_key())
+        kt_lengths = as_lengths(kt.length_per_key(), f"KeyedTensor {index}'s `length_per_key`")
         if len(kt_keys) != len(kt_lengths):
             raise LengthMismatchError(
                 f"KeyedTensor {index} has {len(kt_keys)} keys but {len(kt_lengths)} `length_per_key` entries"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "AmbiguousKeyError",
+    "ArgumentTypeError",
     "BackendUnavailableError",
     "InvalidGroupsError",
     "KTRegroupError",
@@ -28,6 +29,12 @@ class UnknownKeyError(KTRegroupError, KeyError):
     def __str__(self) -> str:
         # KeyError's str() wraps the message in quotes; show it as written.
         return str(self.args[0]) if self.args else ""
+
+
+class ArgumentTypeError(KTRegroupError, TypeError):
+    """An argument has the wrong type: a plain tensor or ``None`` where a KeyedTensor-like is expected, a single
+    KeyedTensor where a list of them is, ``None`` for ``groups`` or ``keys``, a ``str`` for ``keys``, or a
+    length that is not an int."""
 
 
 class AmbiguousKeyError(KTRegroupError, ValueError):
