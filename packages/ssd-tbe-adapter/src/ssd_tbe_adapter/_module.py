@@ -29,6 +29,7 @@ from torch import nn
 from ssd_tbe_adapter._autograd import KVBagFunction
 from ssd_tbe_adapter._checkpoint import read_chunks, read_manifest, verify_checkpoint, write_checkpoint
 from ssd_tbe_adapter._checks import check_cache_rows, check_feature_table_map, check_options, check_tables
+from ssd_tbe_adapter._device_path import DevicePath
 from ssd_tbe_adapter._init import table_salt
 from ssd_tbe_adapter._optimizer import Optimizer, RowOptimizer
 from ssd_tbe_adapter._plan import Plan, device_inverse, group_batch, plan_batch
@@ -76,6 +77,11 @@ class KeyValueEmbeddingBags(nn.Module):
         init_range: ``(low, high)`` of the uniform first-touch initialisation.
         seed: initialisation seed.
         device: where the cache, inputs and outputs live (CPU or one CUDA device).
+        cache_on_device: manage the cache on ``device`` (id -> slot index, victims and row moves as batched
+            device work, pooled lookup and optimizer over the cache rows; see ``_device_path``); ``None``
+            (default) means on CUDA only. ``True`` on the CPU runs the same code there.
+        host_cache_rows: rows of a host-DRAM tier (pinned on CUDA) between the device cache and the store,
+            ``>= 0`` (device cache only).
     """
 
     def __init__(
@@ -93,6 +99,8 @@ class KeyValueEmbeddingBags(nn.Module):
         init_range: tuple[float, float] = (-0.01, 0.01),
         seed: int = 0,
         device: torch.device | str | None = None,
+        cache_on_device: bool | None = None,
+        host_cache_rows: int = 0,
     ) -> None:
         super().__init__()
         self._tables = check_tables(tables)
@@ -126,15 +134,35 @@ class KeyValueEmbeddingBags(nn.Module):
                 "record_bytes": list(self._layout.record_bytes),
             },
         )
+        on_device = self._cuda if cache_on_device is None else bool(cache_on_device)
+        if isinstance(host_cache_rows, bool) or not isinstance(host_cache_rows, int) or host_cache_rows < 0:
+            raise InvalidArgumentError(f"`host_cache_rows` must be an int >= 0, got {host_cache_rows!r}")
+        if host_cache_rows and not on_device:
+            raise InvalidArgumentError(
+                f"`host_cache_rows`={host_cache_rows} needs the device cache (`cache_on_device` true, or CUDA)"
+            )
         self._tier = CacheTier(
             store,
-            capacities,
+            [0] * len(capacities) if on_device else capacities,
             self._layout,
             [table_salt(self.seed, table.name) for table in self._tables],
             (low, high),
             self._device,
         )
         self._prefetcher = Prefetcher(self._tier, self._feature_table_map)
+        self._device_path = (
+            DevicePath(
+                self._tier,
+                capacities,
+                self._dims,
+                self._feature_table_map,
+                self._device,
+                host_cache_rows=host_cache_rows,
+                round_fp16=weights_precision == "fp16",
+            )
+            if on_device
+            else None
+        )
         # An empty leaf that requires grad, so every forward output is part of the autograd graph even
         # though the rows themselves are not parameters (they live in the cache and the store).
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
@@ -195,6 +223,18 @@ class KeyValueEmbeddingBags(nn.Module):
             ``[B, sum(D)]`` float32, or 1-D float32 with VBE (``vbe_output`` when given).
         """
         self._check_open()
+        if self._device_path is not None:
+            return self._device_path.forward(
+                self._anchor,
+                indices,
+                offsets,
+                per_sample_weights,
+                batch_size_per_feature_per_rank,
+                vbe_output,
+                vbe_output_offsets,
+                RowOptimizer(self.optimizer, self.learning_rate, self.eps),
+                self.pooling,
+            )
         plan, indices_cpu = plan_batch(
             indices,
             offsets,
@@ -237,8 +277,14 @@ class KeyValueEmbeddingBags(nn.Module):
             indices: ``[N]`` ids on :attr:`device`.
             offsets: ``[num_bags + 1]`` on :attr:`device`.
             batch_size_per_feature_per_rank: optional VBE batch sizes ``[F][R]``.
+
+        With the device cache the work runs at this call on the current stream (only the missing ids and
+        the moved rows cross to the host); a failed store read surfaces at the forward that would use it.
         """
         self._check_open()
+        if self._device_path is not None:
+            self._device_path.prefetch(indices, offsets, batch_size_per_feature_per_rank)
+            return
         plan, indices_cpu = plan_batch(
             indices, offsets, None, batch_size_per_feature_per_rank, None, None, **self._layout_args()
         )
@@ -252,6 +298,8 @@ class KeyValueEmbeddingBags(nn.Module):
         The prefetches stay queued: the next forwards still consume them in order. Raises what a failed
         prefetch raised (for example a store error).
         """
+        if self._device_path is not None:
+            self._device_path.wait()
         self._prefetcher.wait()
 
     def flush(self) -> None:
@@ -261,6 +309,8 @@ class KeyValueEmbeddingBags(nn.Module):
         """
         self._check_open()
         self.wait_prefetch()
+        if self._device_path is not None:
+            self._device_path.flush()
         with self._tier.lock:
             self._tier.wait_insert_event()
             self._tier.write_back_dirty()
@@ -276,13 +326,20 @@ class KeyValueEmbeddingBags(nn.Module):
         ``write_through_rows`` (updated directly in the store), ``store_rows_read``, ``store_rows_written``,
         ``store_read_seconds``, ``store_write_seconds``, ``store_read_rows_per_s``,
         ``store_write_rows_per_s``, ``forwards``, ``forwards_without_prefetch``, ``prefetches``, and
-        ``cached_rows``.
+        ``cached_rows``. With the device cache, also per tier: ``hbm_*`` (device cache: ``hbm_hit_rate``,
+        rows and bytes moved, ``hbm_scratch_slots``), ``host_tier_*`` (with ``host_cache_rows``) and
+        ``store_tier_*``.
         """
-        return self._tier.summary()
+        out = self._tier.summary()
+        if self._device_path is not None:
+            out.update(self._device_path.summary())
+        return out
 
     def reset_metrics(self) -> None:
         """Zero every counter."""
         self._tier.reset_metrics()
+        if self._device_path is not None:
+            self._device_path.reset_metrics()
 
     def checkpoint(self, *, chunk_rows: int = 65536) -> Iterator[TableChunk]:
         """Stream every stored row, table by table, in chunks (flushes first; never holds a whole table).
@@ -323,6 +380,8 @@ class KeyValueEmbeddingBags(nn.Module):
         with tier.lock:
             for cache in tier.caches:
                 cache.clear()
+            if self._device_path is not None:
+                self._device_path.clear()
             for table in clear:
                 tier.store.clear_table(table=table)
                 cleared.add(table)
@@ -450,6 +509,8 @@ class KeyValueEmbeddingBags(nn.Module):
             return
         self.flush()
         self._prefetcher.close()
+        if self._device_path is not None:
+            self._device_path.close()
         self._tier.store.close()
         self._closed = True
 

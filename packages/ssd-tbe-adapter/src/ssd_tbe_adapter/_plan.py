@@ -63,11 +63,17 @@ def plan_batch(
     feature_table_map: Sequence[int],
     dims: Sequence[int],
     device: torch.device,
+    host_indices: bool = True,
+    host_offsets: torch.Tensor | None = None,
 ) -> tuple[Plan, torch.Tensor]:
     """Check one forward's (or prefetch's) inputs and lay out its bags and output (no grouping yet).
 
+    ``host_indices=False`` skips copying ``indices`` to the host (the device cache path never needs them
+    there) and ``host_offsets`` (``offsets`` already copied to the host, int64) skips that copy too.
+
     Returns:
-        The plan (``groups`` empty) and ``indices`` as int64 on the host.
+        The plan (``groups`` empty) and ``indices`` as int64 on the host (``indices`` itself when
+        ``host_indices`` is false).
     """
     num_features = len(feature_table_map)
     for name, tensor in (("indices", indices), ("offsets", offsets)):
@@ -81,8 +87,8 @@ def plan_batch(
             raise ValueError(f"`{name}` is on {tensor.device}, this module on {device}")
     if offsets.numel() < 1:
         raise ValueError("`offsets` must hold at least one element (offsets[0] == 0)")
-    indices_cpu = indices.to("cpu", torch.int64)
-    offsets_cpu = offsets.to("cpu", torch.int64)
+    indices_cpu = indices.to("cpu", torch.int64) if host_indices else indices
+    offsets_cpu = host_offsets if host_offsets is not None else offsets.to("cpu", torch.int64)
     total_bags = offsets_cpu.numel() - 1
     if int(offsets_cpu[0]) != 0 or int(offsets_cpu[-1]) != indices_cpu.numel():
         raise ValueError(

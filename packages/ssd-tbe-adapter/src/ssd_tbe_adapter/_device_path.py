@@ -1,0 +1,413 @@
+"""The device-cache path of :class:`~ssd_tbe_adapter.KeyValueEmbeddingBags`: one direction of flow per batch.
+
+1. **Plan** (host, no sync when prefetched): :func:`~ssd_tbe_adapter._plan.plan_batch` checks the inputs and
+   lays out the output; the table of each lookup is derived on the device from ``offsets``.
+2. **Ask the tiers for slots** (prefetch, or forward without one): :meth:`DeviceCache.assign` maps every
+   lookup to a cache slot, moving missing rows up from the host tier / store and evicted rows down. This is
+   the only step that syncs with the host, and the only device <-> host traffic (missing ids, rows).
+3. **Pool and update over the slots** (forward / backward, no host sync): one ``embedding_bag`` over the
+   cache buffer as a table (all tables side by side, padded to the widest), written out with the module's
+   output layout (:mod:`~ssd_tbe_adapter._layout`: VBE and ``vbe_output`` as before); backward sums each
+   row's gradient with one ``index_add_`` and applies the row optimizer to the slots in place.
+
+Protection: every prefetched or forwarded batch holds a tick until its backward ran (or its graph died, or
+at once for a forward without autograd); slots touched at or after the oldest held tick are never victims,
+so the slots a batch was given stay its rows' home until its update is applied. Streams (CUDA): prefetch
+runs on the stream current at its call (the pipeline's prefetch stream) and waits for the last
+forward/backward's work; forward and backward wait for the last prefetch's work.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+import torch.nn.functional as F
+
+from ssd_tbe_adapter._device_cache import DeviceCache
+from ssd_tbe_adapter._host_tier import HostTier, RowTier, StoreTier
+from ssd_tbe_adapter._layout import allocate_output, bag_grads, chained_input_grad, place_pooled
+from ssd_tbe_adapter._optimizer import RowOptimizer
+from ssd_tbe_adapter._plan import Plan, plan_batch
+from ssd_tbe_adapter._tier import CacheTier
+
+__all__ = ["DevicePath"]
+
+
+@dataclass(eq=False)  # no slots: weakref.finalize needs a __weakref__ (weakref_slot is Python 3.11+)
+class _Batch:
+    """One batch's lookups mapped to cache slots (device tensors) and its protection tick."""
+
+    indices: torch.Tensor  # the caller's tensor (forward reuses a prefetch only for the same objects)
+    offsets: torch.Tensor
+    host_offsets: torch.Tensor  # [bags + 1] int64 host: offsets as checked by the plan
+    slots: torch.Tensor  # [N] int64: cache slot of each lookup
+    unique_slots: torch.Tensor  # [U] int64 ascending: the batch's rows
+    inverse: torch.Tensor  # [N] int64: position of each lookup's slot in unique_slots
+    bag_of_lookup: torch.Tensor  # [N] int64
+    tick: int
+
+
+class DevicePath:
+    """The device-managed cache of one module, its tiers and its pooled lookup / fused update.
+
+    Args:
+        tier: the module's cache tier (store access, record layout, initialisation, store counters).
+        capacities: per table, its device cache slots.
+        dims: per table, its ``D``.
+        feature_table_map: per feature, its table.
+        device: where the cache lives (CPU or one CUDA device).
+        host_cache_rows: rows of the host-DRAM tier (0: none, the store is the next tier).
+        round_fp16: fp16 tables (updated weights are rounded to fp16).
+    """
+
+    def __init__(
+        self,
+        tier: CacheTier,
+        capacities: Sequence[int],
+        dims: Sequence[int],
+        feature_table_map: Sequence[int],
+        device: torch.device,
+        *,
+        host_cache_rows: int,
+        round_fp16: bool,
+    ) -> None:
+        self._dims = list(dims)
+        self._ftm = list(feature_table_map)
+        self._feature_dims = [self._dims[t] for t in self._ftm]
+        self._device = device
+        self._cuda = device.type == "cuda"
+        lower: RowTier = StoreTier(tier, dims, pin=self._cuda)
+        if host_cache_rows:
+            lower = HostTier(host_cache_rows, dims, lower, pin=self._cuda)
+        self.cache = DeviceCache(capacities, dims, device, lower, round_fp16=round_fp16)
+        self._tick = 0
+        self._open: set[int] = set()  # ticks of batches whose rows must not move
+        self._pending: deque[_Batch | BaseException] = deque()
+        self._tables_of_bags: dict[tuple[int, ...], torch.Tensor] = {}
+        self._main_event: Any = None
+        self._insert_event: Any = None
+        self.counters = dict.fromkeys(
+            ("forwards", "forwards_without_prefetch", "prefetches", "forward_lookups", "forward_hits"), 0
+        )
+        self.counters.update(sync_fetched_rows=0, prefetched_rows=0)
+
+    # ------------------------------------------------------------------ public (called by the module)
+
+    def prefetch(
+        self, indices: torch.Tensor, offsets: torch.Tensor, batch_sizes: list[list[int]] | None
+    ) -> None:
+        """Map a future batch to slots now (rows move in on the current stream); errors surface at the
+        forward that would have used it (or :meth:`wait`)."""
+        plan, _ = self._plan(indices, offsets, None, batch_sizes, None, None, None)
+        self.counters["prefetches"] += 1
+        try:
+            self._pending.append(self._assign(plan, indices, offsets, "prefetched_rows"))
+        except Exception as error:  # the store's error, raised again at the next forward
+            self._pending.append(error)
+
+    def wait(self) -> None:
+        """Prefetches run at their call; raise what a queued one raised (it stays queued)."""
+        for item in self._pending:
+            if isinstance(item, BaseException):
+                raise item
+
+    def forward(
+        self,
+        anchor: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        batch_sizes: list[list[int]] | None,
+        vbe_output: torch.Tensor | None,
+        vbe_output_offsets: torch.Tensor | None,
+        optimizer: RowOptimizer,
+        pooling: Literal["sum", "mean"],
+    ) -> torch.Tensor:
+        """The pooled lookup (see :meth:`KeyValueEmbeddingBags.forward`)."""
+        pending = self._pending[0] if self._pending else None
+        reuse = isinstance(pending, _Batch) and pending.indices is indices and pending.offsets is offsets
+        host_offsets = cast(_Batch, pending).host_offsets if reuse else None
+        plan, _ = self._plan(
+            indices, offsets, per_sample_weights, batch_sizes, vbe_output, vbe_output_offsets, host_offsets
+        )
+        if self._pending:
+            item = self._pending.popleft()
+            if isinstance(item, BaseException):
+                raise item
+            if not reuse:
+                self._open.discard(item.tick)
+        self.counters["forwards"] += 1
+        if reuse:
+            batch = cast(_Batch, pending)
+            self.counters["forward_lookups"] += batch.unique_slots.numel()
+            self.counters["forward_hits"] += batch.unique_slots.numel()
+        else:
+            self.counters["forwards_without_prefetch"] += 1
+            batch = self._assign(plan, indices, offsets, "sync_fetched_rows")
+        self._wait_insert()
+        psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32)
+        if torch.is_grad_enabled():
+            # Held until backward ran or the graph is gone, whichever comes first.
+            weakref.finalize(batch, self._open.discard, batch.tick)
+            # autograd.Function.apply is untyped in torch's stubs.
+            result = _SlotBagFunction.apply(  # type: ignore[no-untyped-call]
+                anchor, psw, vbe_output, self, plan, batch, optimizer, pooling
+            )
+            output = cast(torch.Tensor, result)
+        else:
+            output, _ = self.pool(plan, batch, psw, vbe_output, pooling, False)
+            self._open.discard(batch.tick)
+        self._record_main()
+        return output
+
+    def flush(self) -> None:
+        """Write every dirty row (device cache and host tier) to the store."""
+        self._wait_insert()
+        self.cache.flush()
+        self._record_main()
+
+    def clear(self) -> None:
+        """Forget every cached row and pending prefetch (checkpoint restore, after :meth:`flush`)."""
+        self._pending.clear()
+        self._open.clear()
+        self.cache.clear()
+
+    def close(self) -> None:
+        """Forget the pending prefetches."""
+        self._pending.clear()
+
+    def summary(self) -> dict[str, float]:
+        """The device path's counters, under the module's metric names plus ``hbm_*`` / ``host_tier_*`` /
+        ``store_tier_*`` per tier."""
+        out = self.cache.summary()
+        m = self.cache.metrics
+        forward_lookups = self.counters["forward_lookups"]
+        out.update({name: float(value) for name, value in self.counters.items()})
+        out.update(
+            lookups=float(m.lookups),
+            hits=float(m.hits),
+            cache_hit_rate=out["hbm_hit_rate"],
+            forward_hit_rate=self.counters["forward_hits"] / forward_lookups if forward_lookups else 0.0,
+            scratch_rows=float(m.scratch_rows),
+            evicted_rows=float(m.evicted_rows),
+            written_back_rows=float(m.written_back_rows),
+            cached_rows=out["hbm_cached_rows"],
+        )
+        return out
+
+    def reset_metrics(self) -> None:
+        """Zero every counter."""
+        self.cache.reset_metrics()
+        self.counters = dict.fromkeys(self.counters, 0)
+
+    # ------------------------------------------------------------------ plan and slots
+
+    def _plan(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        batch_sizes: list[list[int]] | None,
+        vbe_output: torch.Tensor | None,
+        vbe_output_offsets: torch.Tensor | None,
+        host_offsets: torch.Tensor | None,
+    ) -> tuple[Plan, torch.Tensor]:
+        return plan_batch(
+            indices,
+            offsets,
+            per_sample_weights,
+            batch_sizes,
+            vbe_output,
+            vbe_output_offsets,
+            feature_table_map=self._ftm,
+            dims=self._dims,
+            device=self._device,
+            host_indices=False,
+            host_offsets=host_offsets,
+        )
+
+    def _table_of_bags(self, plan: Plan) -> torch.Tensor:
+        """``[bags]`` int64 on the device: each bag's table (cached per layout)."""
+        key = tuple(plan.num_bags)
+        cached = self._tables_of_bags.get(key)
+        if cached is None:
+            if len(self._tables_of_bags) >= 64:
+                self._tables_of_bags.clear()
+            cached = torch.repeat_interleave(
+                torch.tensor(self._ftm, dtype=torch.int64), torch.tensor(plan.num_bags, dtype=torch.int64)
+            ).to(self._device)
+            self._tables_of_bags[key] = cached
+        return cached
+
+    def _assign(self, plan: Plan, indices: torch.Tensor, offsets: torch.Tensor, moved: str) -> _Batch:
+        """Step 2: slots for every lookup of the batch (rows moved in on the current stream)."""
+        self._wait_main()
+        offsets_device = offsets.to(torch.int64)
+        n = indices.numel()
+        lengths = offsets_device[1:] - offsets_device[:-1]
+        bag_of_lookup = torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=self._device), lengths, output_size=n
+        )
+        tables = self._table_of_bags(plan).index_select(0, bag_of_lookup)
+        self._tick += 1
+        tick = self._tick
+        self._open.add(tick)
+        protect = min(self._open)
+        try:
+            inserted_before = self.cache.metrics.inserted_rows
+            slots = self.cache.assign(tables, indices.to(torch.int64), tick, protect)
+            unique_slots, inverse = torch.unique(slots, return_inverse=True)
+        except BaseException:
+            self._open.discard(tick)
+            raise
+        inserted = self.cache.metrics.inserted_rows - inserted_before
+        self.cache.metrics.lookups += unique_slots.numel()
+        self.cache.metrics.hits += unique_slots.numel() - inserted
+        self.counters[moved] += inserted
+        self._record_insert()
+        return _Batch(
+            indices=indices,
+            offsets=offsets,
+            host_offsets=plan.offsets,
+            slots=slots,
+            unique_slots=unique_slots,
+            inverse=inverse,
+            bag_of_lookup=bag_of_lookup,
+            tick=tick,
+        )
+
+    def release(self, batch: _Batch) -> None:
+        """The batch's rows may move again (its update was applied)."""
+        self._open.discard(batch.tick)
+
+    # ------------------------------------------------------------------ pool and update
+
+    def pool(
+        self,
+        plan: Plan,
+        batch: _Batch,
+        per_sample_weights: torch.Tensor | None,
+        vbe_output: torch.Tensor | None,
+        pooling: Literal["sum", "mean"],
+        keep_rows: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Step 3, forward: the output (module layout) and, if ``keep_rows``, the looked-up rows ``[N, D_max]``."""
+        if self._cuda:
+            stream = torch.cuda.current_stream(self._device)
+            for tensor in (batch.slots, batch.unique_slots, batch.inverse, batch.bag_of_lookup):
+                tensor.record_stream(stream)
+        weights = self.cache.weights
+        offsets = batch.offsets.to(torch.int64)
+        psw = None if per_sample_weights is None else per_sample_weights.detach()
+        pooled = F.embedding_bag(
+            batch.slots, weights, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
+        )
+        if pooling == "mean":
+            pooled = pooled / (offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)[:, None]
+        output = allocate_output(plan, self._feature_dims, self._device, vbe_output)
+        column = 0
+        for feature, dim in enumerate(self._feature_dims):
+            start, bags = plan.bag_start[feature], plan.num_bags[feature]
+            if bags:
+                place_pooled(plan, output, feature, column, pooled[start : start + bags, :dim])
+            column += dim
+        rows = weights.index_select(0, batch.slots) if keep_rows else None
+        return output, rows
+
+    def update(
+        self,
+        plan: Plan,
+        batch: _Batch,
+        per_sample_weights: torch.Tensor | None,
+        rows: torch.Tensor | None,
+        grad_output: torch.Tensor,
+        optimizer: RowOptimizer,
+        pooling: Literal["sum", "mean"],
+    ) -> torch.Tensor | None:
+        """Step 3, backward: apply the optimizer to the batch's slots; returns the per-sample-weight gradient."""
+        self._wait_insert()
+        offsets = batch.offsets.to(torch.int64)
+        grad_bags = grad_output.new_zeros(offsets.numel() - 1, self.cache.dmax)
+        column = 0
+        for feature, dim in enumerate(self._feature_dims):
+            start, bags = plan.bag_start[feature], plan.num_bags[feature]
+            if bags:
+                grad_bags[start : start + bags, :dim] = bag_grads(plan, grad_output, feature, column, dim)
+            column += dim
+        if pooling == "mean":
+            grad_bags /= (offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)[:, None]
+        grad_lookups = grad_bags.index_select(0, batch.bag_of_lookup)
+        grad_psw = None
+        if rows is not None:
+            grad_psw = (grad_lookups * rows).sum(1)
+        if per_sample_weights is not None:
+            grad_lookups = grad_lookups * per_sample_weights.detach()[:, None]
+        grad_rows = grad_lookups.new_zeros(batch.unique_slots.numel(), self.cache.dmax).index_add_(
+            0, batch.inverse, grad_lookups
+        )
+        self.cache.update(batch.unique_slots, grad_rows, optimizer)
+        self.release(batch)
+        self._record_main()
+        return grad_psw
+
+    # ------------------------------------------------------------------ streams
+
+    def _wait_main(self) -> None:
+        if self._cuda and self._main_event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._main_event)
+
+    def _wait_insert(self) -> None:
+        if self._cuda and self._insert_event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._insert_event)
+
+    def _record_main(self) -> None:
+        if self._cuda:
+            self._main_event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+            self._main_event.record(torch.cuda.current_stream(self._device))
+
+    def _record_insert(self) -> None:
+        if self._cuda:
+            self._insert_event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+            self._insert_event.record(torch.cuda.current_stream(self._device))
+
+    def feature_dims(self) -> list[int]:
+        """Per feature, its ``D``."""
+        return self._feature_dims
+
+
+class _SlotBagFunction(torch.autograd.Function):
+    """Autograd node of one device-path forward: backward updates the batch's cache slots."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        anchor: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        vbe_output: torch.Tensor | None,
+        path: DevicePath,
+        plan: Plan,
+        batch: _Batch,
+        optimizer: RowOptimizer,
+        pooling: Literal["sum", "mean"],
+    ) -> torch.Tensor:
+        del anchor
+        keep_rows = per_sample_weights is not None and per_sample_weights.requires_grad
+        output, rows = path.pool(plan, batch, per_sample_weights, vbe_output, pooling, keep_rows)
+        if vbe_output is not None:
+            ctx.mark_dirty(vbe_output)
+        ctx.state = (path, plan, batch, per_sample_weights, rows, optimizer, pooling, vbe_output is not None)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        path, plan, batch, psw, rows, optimizer, pooling, chained = ctx.state
+        ctx.state = None
+        grad_output = grad_output.contiguous()
+        grad_psw = path.update(plan, batch, psw, rows, grad_output, optimizer, pooling)
+        grad_vbe = chained_input_grad(plan, grad_output, path.feature_dims()) if chained else None
+        return None, grad_psw, grad_vbe, None, None, None, None, None

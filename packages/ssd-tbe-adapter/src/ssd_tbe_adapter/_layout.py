@@ -1,0 +1,65 @@
+"""The output layout of one forward (fbgemm TBE's): where each feature's pooled bags go, and where backward finds
+their gradient. Shared by the host-cache path (``_module``) and the device-cache path (``_device_path``).
+
+Without VBE the output is ``[B, sum(D_f)]`` with feature ``f`` in its column range; with VBE it is 1-D, one
+``[bags, D_f]`` block per (rank, feature) at the plan's block offsets (``plan.blocks``), possibly inside a
+caller's ``vbe_output`` buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ssd_tbe_adapter._plan import Plan
+
+__all__ = ["allocate_output", "bag_grads", "chained_input_grad", "place_pooled"]
+
+
+def allocate_output(
+    plan: Plan, feature_dims: Sequence[int], device: torch.device, vbe_output: torch.Tensor | None
+) -> torch.Tensor:
+    """The output tensor of ``plan``: ``vbe_output`` itself when given, else a new float32 tensor on ``device``."""
+    if plan.vbe:
+        if vbe_output is not None:
+            return vbe_output
+        return torch.empty(plan.output_numel, dtype=torch.float32, device=device)
+    return torch.empty(plan.batch_size, sum(feature_dims), dtype=torch.float32, device=device)
+
+
+def place_pooled(plan: Plan, output: torch.Tensor, feature: int, column: int, pooled: torch.Tensor) -> None:
+    """Write feature ``feature``'s pooled bags ``[bags_f, D_f]`` into ``output`` (``column``: its first column
+    without VBE)."""
+    dim = pooled.shape[1]
+    if plan.vbe:
+        for first, count, start in plan.blocks[feature]:
+            if count:
+                output[start : start + count * dim].view(count, dim).copy_(pooled[first : first + count])
+    else:
+        output[:, column : column + dim] = pooled
+
+
+def bag_grads(plan: Plan, grad_output: torch.Tensor, feature: int, column: int, dim: int) -> torch.Tensor:
+    """The gradient ``[bags_f, D_f]`` of feature ``feature``'s pooled bags, read from ``grad_output``."""
+    if plan.vbe:
+        flat = grad_output.view(-1)
+        blocks = [
+            flat[at : at + count * dim].view(count, dim) for _, count, at in plan.blocks[feature] if count
+        ]
+        if not blocks:
+            return flat.new_zeros(0, dim)
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return grad_output[:, column : column + dim]
+
+
+def chained_input_grad(plan: Plan, grad_output: torch.Tensor, feature_dims: Sequence[int]) -> torch.Tensor:
+    """Gradient of a chained ``vbe_output`` input: ``grad_output`` with this call's blocks zeroed (they
+    overwrote whatever the buffer held there)."""
+    grad = grad_output.clone()
+    flat = grad.view(-1)
+    for feature, blocks in enumerate(plan.blocks):
+        dim = feature_dims[feature]
+        for _, bags, start in blocks:
+            flat[start : start + bags * dim].zero_()
+    return grad
