@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ssd_tbe_adapter._layout import chained_input_grad
 from ssd_tbe_adapter._plan import Plan
 
 if TYPE_CHECKING:
@@ -48,11 +49,7 @@ class KVBagFunction(torch.autograd.Function):
         grad_vbe: torch.Tensor | None = None
         if ctx.chained:
             # Our blocks overwrote whatever the input buffer held there: no gradient flows to it.
-            grad_vbe = grad_output.clone()
-            flat = grad_vbe.view(-1)
-            for feature, blocks in enumerate(ctx.plan.blocks):
-                dim = module._dims[module._feature_table_map[feature]]
-                for _, bags, start in blocks:
-                    flat[start : start + bags * dim].zero_()
+            feature_dims = [module._dims[table] for table in module._feature_table_map]
+            grad_vbe = chained_input_grad(ctx.plan, grad_output, feature_dims)
         ctx.rows = None
         return None, grad_psw, grad_vbe, None, None, None

@@ -31,6 +31,7 @@ from ssd_tbe_adapter._checkpoint import read_chunks, read_manifest, verify_check
 from ssd_tbe_adapter._checks import check_cache_rows, check_feature_table_map, check_options, check_tables
 from ssd_tbe_adapter._device_path import DevicePath
 from ssd_tbe_adapter._init import table_salt
+from ssd_tbe_adapter._layout import allocate_output, bag_grads, place_pooled
 from ssd_tbe_adapter._optimizer import Optimizer, RowOptimizer
 from ssd_tbe_adapter._plan import Plan, device_inverse, group_batch, plan_batch
 from ssd_tbe_adapter._prefetch import Prefetcher
@@ -554,19 +555,9 @@ class KeyValueEmbeddingBags(nn.Module):
             for table, table_rows in rows.items()
             if table_rows is None
         }
-        if plan.vbe:
-            output = (
-                vbe_output
-                if vbe_output is not None
-                else torch.empty(plan.output_numel, dtype=torch.float32, device=self._device)
-            )
-        else:
-            output = torch.empty(
-                plan.batch_size,
-                sum(self._dims[t] for t in self._feature_table_map),
-                dtype=torch.float32,
-                device=self._device,
-            )
+        output = allocate_output(
+            plan, [self._dims[t] for t in self._feature_table_map], self._device, vbe_output
+        )
         column = 0
         offsets_device = plan.offsets.to(self._device, non_blocking=True)
         for feature, table in enumerate(self._feature_table_map):
@@ -580,14 +571,7 @@ class KeyValueEmbeddingBags(nn.Module):
                 else:
                     lookups = indices_device[feature]
                 pooled = self._pool(plan, feature, offsets_device, lookups, table_rows, per_sample_weights)
-                if plan.vbe:
-                    for first, count, start in plan.blocks[feature]:
-                        if count:
-                            output[start : start + count * dim].view(count, dim).copy_(
-                                pooled[first : first + count]
-                            )
-                else:
-                    output[:, column : column + dim] = pooled
+                place_pooled(plan, output, feature, column, pooled)
             column += dim
         return output, rows
 
@@ -629,7 +613,6 @@ class KeyValueEmbeddingBags(nn.Module):
             torch.zeros_like(per_sample_weights) if per_sample_weights is not None and want_psw else None
         )
         offsets_device = plan.offsets.to(self._device, non_blocking=True)
-        flat = grad_output.view(-1)
         # Per table, in feature order: the gradient of each bag ([bags_f, D]) and the weight of each lookup.
         sources: dict[int, list[torch.Tensor]] = {}
         weights: dict[int, list[torch.Tensor]] = {}
@@ -638,18 +621,7 @@ class KeyValueEmbeddingBags(nn.Module):
             dim = self._dims[table]
             bags = plan.num_bags[feature]
             start = plan.bag_start[feature]
-            if plan.vbe:
-                blocks = [
-                    flat[at : at + count * dim].view(count, dim)
-                    for _, count, at in plan.blocks[feature]
-                    if count
-                ]
-                if not blocks:
-                    grad_bags = flat.new_zeros(0, dim)
-                else:
-                    grad_bags = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-            else:
-                grad_bags = grad_output[:, column : column + dim]
+            grad_bags = bag_grads(plan, grad_output, feature, column, dim)
             column += dim
             bag_offsets = offsets_device[start : start + bags + 1]
             lengths = bag_offsets[1:] - bag_offsets[:-1]
