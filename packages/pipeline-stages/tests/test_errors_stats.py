@@ -160,3 +160,134 @@ def test_stop_iteration_from_a_stage_does_not_look_like_exhaustion() -> None:
         pipeline.progress(iter(range(2)))
     assert not isinstance(info.value, StopIteration)
     assert info.value.__cause__ is original
+
+
+def test_stage_returning_none_for_a_batch_raises_a_stage_error() -> None:
+    """A runnable returning None for a real batch is a StageError (and TypeError) naming the stage and batch,
+    not a silent end of the epoch: the next stage's data_exhausted_callback never fires."""
+    exhausted: list[str] = []
+    stages = [
+        PipelineStage("copy", lambda b: b),
+        PipelineStage("postproc", lambda b: None if b == 3 else b),
+        PipelineStage("prefetch", lambda b: b, data_exhausted_callback=lambda: exhausted.append("prefetch")),
+    ]
+    pipeline = StagedTrainPipeline(stages)
+    it = iter(range(20))
+    seen = [pipeline.progress(it)]
+    with pytest.raises(
+        TypeError, match=r"stage `postproc` \(stage 1 of 3\) returned None for batch 3; a stage's `runnable`"
+    ) as info:
+        pipeline.progress(it)
+    assert isinstance(info.value, StageError)
+    assert (info.value.stage_name, info.value.batch_index, info.value.phase) == ("postproc", 3, "runnable")
+    assert seen == [0]  # the second progress() runs `postproc` on batch 3
+    assert info.value.dropped_batches == (1, 2, 3, 4)
+    assert exhausted == []
+
+
+def test_stage_returning_none_always_fails_at_once_not_by_recursion() -> None:
+    """A runnable that always returns None fails on batch 0 instead of eating 5000 batches (RecursionError)."""
+    pipeline = StagedTrainPipeline([PipelineStage("copy", lambda b: b), PipelineStage("bad", lambda b: None)])
+    it = iter(range(5000))
+    with pytest.raises(StageError, match=r"stage `bad` .* returned None for batch 0") as info:
+        pipeline.progress(it)
+    assert info.value.batch_index == 0
+    assert next(it) == 1  # the fill stopped at batch 0: nothing else was pulled
+
+
+class DecodeLike(UnicodeDecodeError):
+    """A user subclass of a builtin whose constructor takes five arguments, built with one."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("utf-8", b"\xff", 0, 1, reason)
+        self.args = (reason,)
+
+
+class KeyAndValue(KeyError, ValueError):
+    """A user error under two builtins."""
+
+
+def raise_in_stage(error: Exception) -> StageError:
+    pipeline = StagedTrainPipeline([PipelineStage("decode", failing(0, error))])
+    with pytest.raises(StageError) as info:
+        pipeline.progress(iter(range(2)))
+    assert info.value.__cause__ is error
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("original", "builtins"),
+    [
+        (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), (UnicodeDecodeError, ValueError)),
+        (KeyAndValue("k"), (KeyError, LookupError, ValueError)),
+        (DecodeLike("bad byte"), (UnicodeError, ValueError)),
+        (FileNotFoundError(2, "no such file"), (FileNotFoundError, OSError)),
+        (Boom("x"), (Exception,)),
+    ],
+    ids=["unicode-decode", "user-key-and-value", "user-decode-one-arg", "file-not-found", "user-plain"],
+)
+def test_stage_error_is_an_instance_of_every_builtin_of_the_original(
+    original: Exception, builtins: tuple[type[Exception], ...]
+) -> None:
+    """`except ValueError` catches a stage's UnicodeDecodeError and user subclasses of several builtins."""
+    error = raise_in_stage(original)
+    for builtin in builtins:
+        assert isinstance(error, builtin), builtin
+    assert not isinstance(error, type(original)) or type(original).__module__ == "builtins"
+    assert str(error).startswith("stage `decode` (stage 0 of 1) raised ")
+    assert error.args == (str(error),)
+
+
+def test_stage_error_keeps_the_builtin_fields() -> None:
+    """Builtin fields (UnicodeDecodeError.start/encoding, OSError.errno) carry over; KeyError's is unquoted."""
+    decode = raise_in_stage(UnicodeDecodeError("utf-8", b"ab\xff", 2, 3, "invalid start byte"))
+    assert isinstance(decode, UnicodeDecodeError)
+    assert (decode.encoding, decode.object, decode.start, decode.end) == ("utf-8", b"ab\xff", 2, 3)
+    missing = raise_in_stage(FileNotFoundError(2, "no such file"))
+    assert isinstance(missing, OSError)
+    assert missing.errno == 2
+    key = raise_in_stage(KeyError("f9"))
+    assert str(key) == "stage `decode` (stage 0 of 1) raised KeyError on batch 0: 'f9'"
+
+
+@pytest.mark.parametrize(
+    "original",
+    [
+        ValueError("bad ids"),
+        KeyError("k"),
+        Boom("x"),
+        UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+        KeyAndValue("k"),
+        FileNotFoundError(2, "no such file"),
+    ],
+    ids=["value", "key", "user-plain", "unicode-decode", "user-key-and-value", "file-not-found"],
+)
+def test_stage_errors_pickle(original: Exception) -> None:
+    """Every StageError pickles (multiprocessing error transport) with its class, message and attributes."""
+    import pickle
+
+    error = raise_in_stage(original)
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert str(copy) == str(error)
+    assert copy.args == error.args
+    assert (copy.stage_name, copy.stage_index, copy.batch_index, copy.phase, copy.dropped_batches) == (
+        error.stage_name,
+        error.stage_index,
+        error.batch_index,
+        error.phase,
+        error.dropped_batches,
+    )
+    assert getattr(copy, "__notes__", None) == getattr(error, "__notes__", None)
+
+
+def test_returned_none_error_pickles() -> None:
+    """The returned-None StageError pickles too and stays a TypeError."""
+    import pickle
+
+    pipeline = StagedTrainPipeline([PipelineStage("bad", lambda b: None)])
+    with pytest.raises(StageError) as info:
+        pipeline.progress(iter(range(2)))
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert isinstance(copy, TypeError)
+    assert str(copy) == str(info.value)

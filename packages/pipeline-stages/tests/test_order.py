@@ -281,7 +281,7 @@ def test_pipeline_validates_arguments() -> None:
     with pytest.raises(DuplicateStageNameError, match="`a`"):
         StagedTrainPipeline([PipelineStage("a", lambda b: b), PipelineStage("a", lambda b: b)])
     with pytest.raises(InvalidStageError, match="`compute_stream`"):
-        StagedTrainPipeline([PipelineStage("a", lambda b: b)], True)  # type: ignore[arg-type]  # torchrec's positional debug_mode
+        StagedTrainPipeline([PipelineStage("a", lambda b: b)], compute_stream="cuda:0")  # type: ignore[arg-type]  # not a stream
     with pytest.raises(InvalidStageError, match=r"`pipeline_stages\[0\]`"):
         StagedTrainPipeline(["a"])  # type: ignore[list-item]  # wrong element type on purpose
     with pytest.raises(TypeError):

@@ -317,3 +317,118 @@ def test_torchrec_stage_layout_names_work() -> None:
     while (batch := pipeline.progress(it)) is not None:
         model(batch)
     assert [i for kind, i in log if kind == "forward_pipelined"] == [0, 1, 2, 3, 4]
+
+
+def renew(batch: Batch) -> Batch:
+    """A stage that returns a new batch object with new tensors (identity matching cannot find it)."""
+    return Batch(index=batch.index, dense=batch.dense.clone(), sparse_features=batch.sparse_features.clone())
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["no-prefetch", "prefetch"])
+def test_contexts_stay_matched_after_an_error_when_a_stage_returns_a_new_object(prefetch: bool) -> None:
+    """After a stage error and the documented recovery (catch, call progress() again), every forward still
+    gets its own batch's dist features although a stage after the dist returns a new object."""
+    log: list[tuple[str, int]] = []
+    model = Model(log)
+    sdd = SparseDataDistUtil(model)
+    failures = {4, 11}
+
+    def flaky(batch: Batch) -> Batch:
+        if batch.index in failures:
+            failures.discard(batch.index)
+            raise RuntimeError("transient")
+        return batch
+
+    stages = [
+        PipelineStage("data_copy", lambda b: b.to(torch.device("cpu"))),
+        PipelineStage(
+            "start_sparse_data_dist", sdd.start_sparse_data_dist, fill_callback=sdd.wait_sparse_data_dist
+        ),
+        PipelineStage("renew", renew),
+        PipelineStage("flaky", flaky),
+    ]
+    if prefetch:
+        stages.append(PipelineStage("prefetch", sdd.prefetch, fill_callback=sdd.load_prefetch))
+    pipeline = StagedTrainPipeline(stages)
+    it = iter(make_batches(16))
+    seen = []
+    in_flight_after_errors = []
+    while True:
+        try:
+            batch = pipeline.progress(it)
+        except RuntimeError:
+            in_flight_after_errors.append(sdd.num_in_flight)
+            continue
+        if batch is None:
+            break
+        model(batch)  # FakeSparse asserts that the dist features are this batch's
+        seen.append(batch.index)
+    assert seen[-1] == 15
+    assert seen == sorted(seen)
+    assert [i for kind, i in log if kind.startswith("forward")] == seen
+    assert all(kind != "forward_plain" for kind, _ in log)
+    if prefetch:
+        prefetched = [i for kind, i in log if kind == "prefetch"]
+        for i in seen:
+            assert i in prefetched
+            assert log.index(("prefetch", i)) < log.index(("forward_pipelined", i))
+    assert in_flight_after_errors == [0, 0]  # the dropped batches' contexts went with them
+    assert sdd.num_in_flight == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS)
+def test_an_eval_forward_mid_epoch_runs_plain_and_keeps_the_pipeline_aligned(layout: str) -> None:
+    """A model forward on another batch between pipelined forwards distributes by itself and consumes no
+    pipelined context: every training forward still gets its own batch's features."""
+    log: list[tuple[str, int]] = []
+    model = Model(log)
+    sdd = SparseDataDistUtil(model)
+    pipeline = StagedTrainPipeline(stages_for(layout, sdd))
+    it = iter(make_batches(8))
+    eval_batch = Batch(index=99, dense=torch.ones(3, 2), sparse_features=torch.tensor([99, 7, 9]))
+    seen = []
+    while (batch := pipeline.progress(it)) is not None:
+        model(batch)
+        seen.append(batch.index)
+        if batch.index in (2, 5):
+            with torch.no_grad():
+                model(eval_batch)
+    assert seen == list(range(8))
+    forwards = [entry for entry in log if entry[0].startswith("forward")]
+    expected = [("forward_pipelined", i) for i in range(8)]
+    expected.insert(6, ("forward_plain", 99))
+    expected.insert(3, ("forward_plain", 99))
+    assert forwards == expected
+    assert sdd.num_in_flight == 0
+
+
+def test_a_second_forward_of_the_same_batch_runs_plain() -> None:
+    """Forwarding a returned batch twice (e.g. a metrics pass) runs the second one plain, still aligned."""
+    log: list[tuple[str, int]] = []
+    model = Model(log)
+    sdd = SparseDataDistUtil(model)
+    pipeline = StagedTrainPipeline(stages_for("copy-sdd-prefetch", sdd))
+    it = iter(make_batches(5))
+    while (batch := pipeline.progress(it)) is not None:
+        model(batch)
+        model(batch)
+    forwards = [entry for entry in log if entry[0].startswith("forward")]
+    assert forwards == [entry for i in range(5) for entry in (("forward_pipelined", i), ("forward_plain", i))]
+
+
+def test_a_skipped_forward_drops_its_context_at_the_next_forward() -> None:
+    """A returned batch that is never forwarded does not shift later forwards onto its features."""
+    log: list[tuple[str, int]] = []
+    model = Model(log)
+    sdd = SparseDataDistUtil(model)
+    pipeline = StagedTrainPipeline(stages_for("copy-sdd-postproc-prefetch", sdd))
+    it = iter(make_batches(6))
+    seen = []
+    while (batch := pipeline.progress(it)) is not None:
+        if batch.index == 2:
+            continue  # e.g. a bad batch the training loop skips
+        model(renew(batch))
+        seen.append(batch.index)
+    assert seen == [0, 1, 3, 4, 5]
+    assert [i for kind, i in log if kind == "forward_pipelined"] == seen
+    assert sdd.num_in_flight == 0

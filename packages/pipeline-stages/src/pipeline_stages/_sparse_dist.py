@@ -10,9 +10,18 @@ and keeps one context per in-flight batch, in a FIFO that advances in lockstep w
   :class:`~pipeline_stages.interfaces.Prefetchable` module (waiting for the dist first if needed).
 * ``load_prefetch()`` (fill callback of the prefetch stage, and after every model forward) marks the oldest
   prefetched context as loaded: the input of an upcoming forward.
-* A forward pre-hook on every sparse module hands the oldest context's distributed features to the module
-  with ``enqueue_pipelined_input`` right before its forward (after the compute stream waited for the dist or
+* A forward pre-hook on every sparse module hands the context's distributed features to the module with
+  ``enqueue_pipelined_input`` right before its forward (after the compute stream waited for the dist or
   prefetch work and ``record_stream`` of the features), so the forward pops them instead of distributing.
+
+Which context a forward consumes: when the util's bound methods are stage callables of a
+:class:`~pipeline_stages.StagedTrainPipeline`, the pipeline tags every context with its batch's sequence
+number and tells the util which batch it returned; the next model forward consumes exactly that batch's
+context (older ones, of batches never forwarded, are finished and dropped), and a forward the pipeline handed
+out no batch for (an eval forward, a second forward of the same batch) runs plain, consuming nothing. A stage
+error drops the contexts of the batches the pipeline dropped. Driven without a pipeline (or through lambdas),
+the util falls back to the FIFO: the oldest context whose batch or features object is not recognised by
+identity among the forward's inputs.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
+from pipeline_stages._sequence import CURRENT_BATCH
 from pipeline_stages._streams import new_event, record_stream_all, stream_context
 from pipeline_stages.errors import InvalidStageError, NoSparseModulesError, SparseFeaturesError
 from pipeline_stages.interfaces import Prefetchable, SparseDistModule
@@ -49,6 +59,7 @@ class _BatchContext:
     """The sparse-dist state of one in-flight batch."""
 
     index: int
+    seq: int | None  # the pipeline's batch sequence number (None when started outside a pipeline stage)
     batch: Any
     features: dict[str, Any]
     handles: dict[str, Any]
@@ -57,6 +68,19 @@ class _BatchContext:
     prefetched: bool = False
     loaded: bool = False
     consumed: set[str] = field(default_factory=set)
+
+
+# The model forward in progress runs plain: it consumes no context (the pipeline handed out no batch for it).
+_PLAIN = _BatchContext(index=-1, seq=None, batch=None, features={}, handles={})
+
+_TORCHREC_ORDER = "SparseDataDistUtil(model, data_dist_stream, apply_jit, prefetch_stream)"
+
+
+def _order_hint(apply_jit: object) -> str:
+    """The hint for an ``apply_jit`` that looks like a stream meant for ``prefetch_stream`` (our old order)."""
+    if not (isinstance(apply_jit, torch.cuda.Stream) or apply_jit is None):
+        return ""
+    return f"; the positional order is torchrec's, {_TORCHREC_ORDER}: pass `prefetch_stream=` by keyword"
 
 
 class SparseDataDistUtil:
@@ -78,6 +102,9 @@ class SparseDataDistUtil:
         model: the model; every outermost submodule (the model itself included) implementing
             :class:`~pipeline_stages.interfaces.SparseDistModule` is driven.
         data_dist_stream: CUDA stream of the input dists (None on CPU or to use the current stream).
+        apply_jit: torchrec's flag (``torch.jit.script`` of the unsharded modules); only False is accepted:
+            no FX rewrite happens here, so there is nothing to script. It is here so that torchrec's
+            positional order ``(model, data_dist_stream, apply_jit, prefetch_stream)`` binds the same way.
         prefetch_stream: CUDA stream of the prefetches (None on CPU or to use the current stream).
         sparse_features: ``batch -> features`` handed to ``start_input_dist``; defaults to the batch's
             ``sparse_features`` attribute. It may return a mapping ``{module name: features}`` whose keys are
@@ -85,22 +112,33 @@ class SparseDataDistUtil:
 
     Raises:
         NoSparseModulesError: ``model`` has no submodule implementing ``SparseDistModule``.
+        InvalidStageError: an argument has the wrong type (a stream in ``apply_jit``'s place names
+            torchrec's positional order), or ``apply_jit=True``.
 
     Each sparse module must be called (through ``__call__``, so its hooks run) exactly once per model forward
-    of a pipelined batch; a model forward on another input while batches are in flight (an eval forward)
-    would consume a pipelined context: ``detach()`` first, or flush.
+    of a pipelined batch. With the util's bound methods as stage callables (as above), a model forward the
+    pipeline returned no batch for (an eval forward mid-epoch) runs plain and leaves the pipeline aligned;
+    driven otherwise, such a forward would consume a pipelined context: ``detach()`` first, or flush.
     """
 
     def __init__(
         self,
         model: nn.Module,
         data_dist_stream: torch.cuda.Stream | None = None,
+        apply_jit: bool = False,
         prefetch_stream: torch.cuda.Stream | None = None,
         *,
         sparse_features: Callable[[Any], Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidStageError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(apply_jit, bool):
+            raise InvalidStageError(f"`apply_jit` must be a bool, got {apply_jit!r}{_order_hint(apply_jit)}")
+        if apply_jit:
+            raise InvalidStageError(
+                "`apply_jit=True` is not supported: SparseDataDistUtil rewrites no module (no FX), so there "
+                "is nothing to torch.jit.script; pass apply_jit=False"
+            )
         for name, stream in (("data_dist_stream", data_dist_stream), ("prefetch_stream", prefetch_stream)):
             if stream is not None and not isinstance(stream, torch.cuda.Stream):
                 raise InvalidStageError(f"`{name}` must be a torch.cuda.Stream or None, got {stream!r}")
@@ -125,6 +163,9 @@ class SparseDataDistUtil:
         self._contexts: deque[_BatchContext] = deque()
         self._next_index = 0
         self._hooks: list[RemovableHandle] = []
+        self._linked = False  # a StagedTrainPipeline reports batch sequence numbers to this util
+        self._expected: int | None = None  # sequence number of the batch the next forward is for
+        self._active: _BatchContext | None = None  # context of the forward in progress (_PLAIN: none)
         self.attach()
 
     # ---------------------------------------------------------------- discovery and hooks
@@ -186,6 +227,7 @@ class SparseDataDistUtil:
             if ctx.dist is None:
                 self._wait(ctx)
         self._contexts.clear()
+        self._active = None
 
     # ---------------------------------------------------------------- stages
 
@@ -194,7 +236,9 @@ class SparseDataDistUtil:
         if not self._hooks:
             self.attach()
         features = self._features_per_module(batch)
-        ctx = _BatchContext(index=self._next_index, batch=batch, features=features, handles={})
+        ctx = _BatchContext(
+            index=self._next_index, seq=CURRENT_BATCH.get(), batch=batch, features=features, handles={}
+        )
         self._next_index += 1
         with (
             record_function(f"## start_sparse_data_dist {ctx.index} ##"),
@@ -215,10 +259,14 @@ class SparseDataDistUtil:
     def prefetch(self, batch: Any) -> Any:
         """Stage runnable: prefetch the rows of ``batch``'s context on every Prefetchable module; return ``batch``.
 
-        The context is the one started for this very batch object if there is one, else the oldest one not
-        prefetched yet; its dist is waited first if needed.
+        The context is the one of this batch's sequence number inside a pipeline stage, else the one started
+        for this very batch object if there is one, else the oldest one not prefetched yet; its dist is
+        waited first if needed.
         """
-        ctx = self._context_of(batch, lambda c: not c.prefetched)
+        seq = CURRENT_BATCH.get()
+        ctx = self._context_of_seq(seq) if seq is not None else None
+        if ctx is None:
+            ctx = self._context_of(batch, lambda c: not c.prefetched)
         if ctx is None:
             return batch
         if ctx.dist is None:
@@ -256,6 +304,33 @@ class SparseDataDistUtil:
     def data_exhausted_callback(self) -> None:
         """No-op (torchrec parity): every operation here already tolerates missing contexts."""
 
+    # ---------------------------------------------------------------- pipeline link (see _sequence)
+
+    def _link_pipeline(self) -> None:
+        """A pipeline uses this util's bound methods as stage callables and reports sequence numbers."""
+        self._linked = True
+
+    def _pipeline_returned(self, seq: int) -> None:
+        """The pipeline returned batch ``seq``: the next model forward is for it."""
+        self._expected = seq
+
+    def _pipeline_dropped(self, seqs: list[int]) -> None:
+        """An error dropped batches ``seqs``: finish their started dists and forget their contexts."""
+        dropped = set(seqs)
+        kept: deque[_BatchContext] = deque()
+        for ctx in self._contexts:
+            if ctx.seq is not None and ctx.seq in dropped:
+                if ctx.dist is None:
+                    self._wait(ctx)
+            else:
+                kept.append(ctx)
+        self._contexts = kept
+        if self._expected is not None and self._expected in dropped:
+            self._expected = None
+
+    def _context_of_seq(self, seq: int) -> _BatchContext | None:
+        return next((ctx for ctx in self._contexts if ctx.seq == seq), None)
+
     # ---------------------------------------------------------------- internals
 
     def _features_per_module(self, batch: Any) -> dict[str, Any]:
@@ -290,7 +365,21 @@ class SparseDataDistUtil:
         return oldest
 
     def _model_pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Drop stale contexts: those older than the context of the batch this forward runs on (if known)."""
+        """Pick the context this forward consumes; drop stale ones (older than it)."""
+        self._active = None
+        if self._linked:
+            seq, self._expected = self._expected, None
+            ctx = self._context_of_seq(seq) if seq is not None else None
+            if ctx is None:
+                # No batch handed out for this forward (eval, or a second forward of the batch): run plain.
+                self._active = _PLAIN
+                return
+            while self._contexts[0] is not ctx:  # contexts of batches returned but never forwarded
+                stale = self._contexts.popleft()
+                if stale.dist is None:
+                    self._wait(stale)
+            self._active = ctx
+            return
         if len(self._contexts) < 2:
             return
         inputs = [*args, *kwargs.values()]
@@ -305,9 +394,16 @@ class SparseDataDistUtil:
 
     def _module_pre_hook(self, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            ctx = next((c for c in self._contexts if name not in c.consumed), None)
-            if ctx is None:
-                return
+            ctx = self._active
+            if ctx is None:  # called outside a model forward (or the model's forward() called directly)
+                if self._linked:
+                    ctx = self._context_of_seq(self._expected) if self._expected is not None else None
+                else:
+                    ctx = next((c for c in self._contexts if name not in c.consumed), None)
+                if ctx is None or name in ctx.consumed:
+                    return
+            elif ctx is _PLAIN or name in ctx.consumed:
+                return  # a forward the pipeline handed out no batch for, or a second call within one
             if ctx.dist is None:
                 self._wait(ctx)
             assert ctx.dist is not None
@@ -318,6 +414,11 @@ class SparseDataDistUtil:
                 record_stream_all(features, stream)
             self._modules[name].enqueue_pipelined_input(features)
             ctx.consumed.add(name)
+            if len(ctx.consumed) == len(self._modules):
+                if ctx in self._contexts:
+                    self._contexts.remove(ctx)
+                if ctx.seq is not None and ctx.seq == self._expected:
+                    self._expected = None
             while self._contexts and len(self._contexts[0].consumed) == len(self._modules):
                 self._contexts.popleft()
 
@@ -325,5 +426,6 @@ class SparseDataDistUtil:
 
     def _model_post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """After a forward: finish the next batch's dist (hidden behind this forward) and load its prefetch."""
+        self._active = None
         self.wait_sparse_data_dist()
         self.load_prefetch()
