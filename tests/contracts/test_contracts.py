@@ -3,6 +3,7 @@ checks, ``isinstance`` against the runtime-checkable Protocols, and a CPU run th
 
 Pairs (provider → consumer Protocol):
 - kt_regroup.KeyedTensor, vbe_lookup's sharded output (PooledEmbeddings) → kt_regroup KeyedTensorLike
+- kt_regroup.KeyedTensor → pipeline_stages KeyedTensorLike (BackwardOverlap cuts it)
 - vbe_lookup.VBEFeatures, the example's sparse features → vbe_lookup KeyedJaggedTensorLike
 - fbgemm TBE, vbe_lookup.TorchEmbeddingKernel, ssd_tbe_adapter.KeyValueEmbeddingBags → vbe_lookup EmbeddingKernel
 - ssd_tbe_adapter.KeyValueEmbeddingBags → vbe_lookup PrefetchableKernel
@@ -28,7 +29,8 @@ from examples.dlrm.data import DLRMBatch, SyntheticConfig, SyntheticCriteo
 from examples.dlrm.harness import free_port
 from kt_regroup import KeyedTensor, KTRegroupAsDict
 from kt_regroup.interfaces import KeyedTensorLike
-from pipeline_stages import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
+from pipeline_stages import BackwardOverlap, PipelineStage, SparseDataDistUtil, StagedTrainPipeline
+from pipeline_stages.interfaces import KeyedTensorLike as StagesKeyedTensorLike
 from pipeline_stages.interfaces import Pipelineable, Prefetchable, SparseDistModule
 from ssd_tbe_adapter import KeyValueEmbeddingBags, MemoryStore, RocksDBStore, TableSpec
 from vbe_lookup import GroupedVBELookup, KernelGroup, TorchEmbeddingKernel, VBEFeatures
@@ -89,6 +91,33 @@ def test_kt_regroup_keyed_tensor_is_keyed_tensor_like() -> None:
     out = KTRegroupAsDict(groups=[["b"], ["a", "b"]], keys=["g0", "g1"])([kt])
     torch.testing.assert_close(out["g0"], values[:, 2:])
     torch.testing.assert_close(out["g1"], values)
+
+
+def test_kt_regroup_keyed_tensor_is_cut_by_backward_overlap() -> None:
+    """kt_regroup.KeyedTensor fits pipeline_stages' KeyedTensorLike; BackwardOverlap cuts it at values(),
+    keeps its type, and KTRegroupAsDict's gradients reach the embedding module as with plain autograd."""
+    emb = nn.EmbeddingBag(20, 3, mode="sum")
+    reference = nn.EmbeddingBag(20, 3, mode="sum")
+    reference.load_state_dict(emb.state_dict())
+    ids = torch.tensor([[1, 2], [3, 3], [0, 19]])
+
+    def ebc(x: torch.Tensor, table: nn.EmbeddingBag) -> KeyedTensor:
+        return KeyedTensor(
+            keys=["a", "b"], length_per_key=[3, 3], values=torch.cat([table(x), 2 * table(x)], 1)
+        )
+
+    regroup = KTRegroupAsDict(groups=[["b", "a"]], keys=["g"])
+    regroup([ebc(ids, reference)])["g"].pow(2).sum().backward()
+    overlap = BackwardOverlap(cuda=False)
+    pooled = overlap.run("ebc", ebc, ids, emb)
+    cut: StagesKeyedTensorLike = pooled
+    assert isinstance(cut, StagesKeyedTensorLike)
+    assert type(pooled) is KeyedTensor
+    assert pooled.values().is_leaf
+    overlap.backward(regroup([pooled])["g"].pow(2).sum())
+    assert emb.weight.grad is not None
+    assert reference.weight.grad is not None
+    torch.testing.assert_close(emb.weight.grad, reference.weight.grad)
 
 
 # ---------------------------------------------------------------------------------------------- vbe-lookup

@@ -136,3 +136,115 @@ def test_clear_forgets_cuts() -> None:
     overlap.backward(pooled.sum())
     assert emb.weight.grad is None
     assert overlap.streams == {}
+
+
+class DictKeyedTensor:
+    """torchrec's KeyedTensor shape: attributes in ``__dict__``, constructor keys/length_per_key/values/key_dim."""
+
+    def __init__(
+        self, keys: list[str], length_per_key: list[int], values: torch.Tensor, key_dim: int = 1
+    ) -> None:
+        self._keys = keys
+        self._length_per_key = length_per_key
+        self._values = values
+        self._key_dim = key_dim
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def length_per_key(self) -> list[int]:
+        return self._length_per_key
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def key_dim(self) -> int:
+        return self._key_dim
+
+
+class SlotsKeyedTensor:
+    """kt-regroup's KeyedTensor shape: ``__slots__``, no ``__dict__``."""
+
+    __slots__ = ("_key_dim", "_keys", "_length_per_key", "_values")
+
+    def __init__(
+        self, keys: list[str], length_per_key: list[int], values: torch.Tensor, key_dim: int = 1
+    ) -> None:
+        self._keys = keys
+        self._length_per_key = length_per_key
+        self._values = values
+        self._key_dim = key_dim
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def length_per_key(self) -> list[int]:
+        return self._length_per_key
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def key_dim(self) -> int:
+        return self._key_dim
+
+
+@pytest.mark.parametrize(
+    "kind", [DictKeyedTensor, SlotsKeyedTensor], ids=["torchrec-like", "kt-regroup-like"]
+)
+@pytest.mark.parametrize("key_dim", [1, 0], ids=["key-dim-1", "key-dim-0"])
+def test_keyed_tensor_outputs_are_cut_and_rebuilt(
+    kind: type[DictKeyedTensor | SlotsKeyedTensor], key_dim: int
+) -> None:
+    """A KeyedTensor-like output is cut at values() and rebuilt as its own type; gradients as plain autograd."""
+    torch.manual_seed(0)
+    emb = nn.EmbeddingBag(20, 3, mode="sum")
+    reference = copy.deepcopy(emb)
+    ids = torch.randint(0, 20, (4, 2))
+
+    def module(x: torch.Tensor, table: nn.EmbeddingBag) -> DictKeyedTensor | SlotsKeyedTensor:
+        pooled = torch.cat([table(x), table(x) * 2], dim=1)
+        return kind(["a", "b"], [3, 3], pooled if key_dim == 1 else pooled.t(), key_dim)
+
+    want = module(ids, reference).values()
+    (want.pow(2).sum()).backward()  # type: ignore[no-untyped-call]  # Tensor.backward is unannotated
+    overlap = BackwardOverlap(cuda=False)
+    out = overlap.run("ebc", module, ids, emb)
+    assert type(out) is kind
+    assert hasattr(out, "__dict__") == (kind is DictKeyedTensor)
+    assert (out.keys(), out.length_per_key(), out.key_dim()) == (["a", "b"], [3, 3], key_dim)
+    assert out.values().is_leaf
+    assert out.values().requires_grad
+    assert all(p.grad is None for p in emb.parameters())  # the embedding backward waits for backward()
+    overlap.backward(out.values().pow(2).sum())
+    assert emb.weight.grad is not None
+    assert reference.weight.grad is not None
+    torch.testing.assert_close(emb.weight.grad, reference.weight.grad)
+
+
+def test_opaque_slotted_output_with_grad_tensors_is_rejected() -> None:
+    """An object with __slots__ holding grad tensors (no KeyedTensor methods) is an error, not passed through."""
+
+    class Opaque:
+        __slots__ = ("t",)
+
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    emb = nn.EmbeddingBag(10, 2)
+    with pytest.raises(InvalidStageError, match=r"BackwardOverlap\.cut"):
+        BackwardOverlap(cuda=False).run("m", lambda x: Opaque(emb(x)), torch.tensor([[1]]))
+
+
+def test_keyed_tensor_that_cannot_be_rebuilt_names_the_constructor() -> None:
+    """A KeyedTensor-like type whose constructor differs is a clear error naming the expected constructor."""
+
+    class Positional(DictKeyedTensor):
+        def __init__(self, *parts: object) -> None:
+            super().__init__(*parts)  # type: ignore[arg-type]  # positional on purpose
+
+    emb = nn.EmbeddingBag(10, 2)
+    overlap = BackwardOverlap(cuda=False)
+    with pytest.raises(InvalidStageError, match=r"Positional\(keys=, length_per_key=, values=\)"):
+        overlap.run("m", lambda x: Positional(["a"], [2], emb(x)), torch.tensor([[1]]))
+    overlap.backward(torch.ones(1, requires_grad=True).sum())  # the failed cut left nothing behind
+    assert emb.weight.grad is None

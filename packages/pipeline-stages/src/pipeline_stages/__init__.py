@@ -24,12 +24,13 @@ from pipeline_stages.errors import (
     SparseFeaturesError,
     StageError,
 )
-from pipeline_stages.interfaces import Pipelineable, Prefetchable, SparseDistModule
+from pipeline_stages.interfaces import KeyedTensorLike, Pipelineable, Prefetchable, SparseDistModule
 
 __all__ = [
     "BackwardOverlap",
     "DuplicateStageNameError",
     "InvalidStageError",
+    "KeyedTensorLike",
     "NoSparseModulesError",
     "PipelineError",
     "PipelineStage",

@@ -24,6 +24,7 @@ import torch
 
 from pipeline_stages._streams import record_stream_all, stream_context
 from pipeline_stages.errors import InvalidStageError
+from pipeline_stages.interfaces import KeyedTensorLike
 
 __all__ = ["BackwardOverlap"]
 
@@ -75,7 +76,14 @@ class BackwardOverlap:
 
         Returns:
             The output with every tensor that requires grad replaced by a leaf (see :meth:`cut`); outputs
-            may be tensors, lists, tuples, dicts and dataclasses of them.
+            may be tensors, :class:`~pipeline_stages.interfaces.KeyedTensorLike` objects (torchrec's or
+            kt-regroup's ``KeyedTensor``: cut at ``values()`` and rebuilt as the same type), lists, tuples,
+            dicts and dataclasses of them.
+
+        Raises:
+            InvalidStageError: an output object holds tensors that require grad but is none of the above
+                (cut its tensors with :meth:`cut` yourself), or a KeyedTensor-like output cannot be rebuilt
+                with ``type(kt)(keys=, length_per_key=, values=)``.
         """
         if not isinstance(name, str) or not name:
             raise InvalidStageError(f"`name` must be a non-empty str, got {name!r}")
@@ -108,6 +116,8 @@ class BackwardOverlap:
     def _cut_all(self, name: str, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
             return self.cut(name, output)
+        if isinstance(output, KeyedTensorLike):
+            return self._cut_keyed(name, output)
         if isinstance(output, (list, tuple)):
             items = [self._cut_all(name, item) for item in output]
             if hasattr(output, "_fields"):  # named tuple
@@ -128,6 +138,25 @@ class BackwardOverlap:
                 "yourself and cut its tensors with BackwardOverlap.cut()"
             )
         return output
+
+    def _cut_keyed(self, name: str, output: KeyedTensorLike) -> Any:
+        values = output.values()
+        if not isinstance(values, torch.Tensor) or not values.requires_grad:
+            return output
+        leaf = self.cut(name, values)
+        kwargs: dict[str, Any] = {"keys": output.keys(), "length_per_key": output.length_per_key()}
+        if output.key_dim() != 1:  # only passed when needed: vbe-lookup's pooled output has no key_dim
+            kwargs["key_dim"] = output.key_dim()
+        rebuild: Callable[..., Any] = type(output)
+        try:
+            return rebuild(values=leaf, **kwargs)
+        except TypeError as error:
+            self._cuts[name].pop()
+            raise InvalidStageError(
+                f"cannot rebuild the {type(output).__name__} output of module `{name}` around its cut "
+                f"values: `{type(output).__name__}(keys=, length_per_key=, values=)` raised {error}; call "
+                "the module yourself and cut its values() with BackwardOverlap.cut()"
+            ) from error
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
         """Dense backward from ``loss``, then each cut module's backward on its own stream (in reverse order).
@@ -162,7 +191,11 @@ class BackwardOverlap:
 
 
 def _holds_grad_tensors(obj: Any) -> bool:
+    """Whether ``obj``'s attributes (``__dict__`` and ``__slots__``) hold a tensor that requires grad."""
     values = getattr(obj, "__dict__", None)
-    if not isinstance(values, dict):
-        return False
-    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values.values())
+    attributes = list(values.values()) if isinstance(values, dict) else []
+    for kind in type(obj).__mro__:
+        slots = kind.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            attributes.append(getattr(obj, slot, None))
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in attributes)

@@ -9,6 +9,8 @@ objects fit too.
   phases, start then wait, and which accepts already-distributed input for its next forward.
 * :class:`Prefetchable`: a module that can pull the rows a distributed batch will look up into a faster
   tier (cache, HBM) ahead of the forward, e.g. a key-value (SSD) embedding table.
+* :class:`KeyedTensorLike`: pooled embeddings of several keys (torchrec's ``KeyedTensor``, kt-regroup's,
+  vbe-lookup's pooled output), an embedding module output that :class:`~pipeline_stages.BackwardOverlap` cuts.
 
 How a :class:`SparseDistModule` receives its pre-distributed input (no FX rewrite): ``enqueue_pipelined_input``
 appends the distributed features of one batch to a FIFO inside the module; the module's next ``forward`` pops
@@ -25,7 +27,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-__all__ = ["Pipelineable", "Prefetchable", "SparseDistModule"]
+__all__ = ["KeyedTensorLike", "Pipelineable", "Prefetchable", "SparseDistModule"]
 
 _PipelineableT = TypeVar("_PipelineableT", bound="Pipelineable")
 
@@ -69,4 +71,31 @@ class Prefetchable(Protocol):
 
         ``forward_stream`` is the stream the forward that consumes them will run on (None on CPU).
         """
+        ...
+
+
+@runtime_checkable
+class KeyedTensorLike(Protocol):
+    """Pooled embeddings of several keys side by side along ``key_dim`` (torchrec's ``KeyedTensor`` names).
+
+    :meth:`~pipeline_stages.BackwardOverlap.run` cuts such an output at its ``values()`` and rebuilds it as
+    ``type(kt)(keys=kt.keys(), length_per_key=kt.length_per_key(), values=cut)`` (plus ``key_dim=0`` when
+    the keys lie along dimension 0): the constructor of torchrec's ``KeyedTensor``, of
+    ``kt_regroup.KeyedTensor`` and of vbe-lookup's pooled output.
+    """
+
+    def keys(self) -> list[str]:
+        """The keys (feature names), in the order their blocks appear along ``key_dim``."""
+        ...
+
+    def length_per_key(self) -> list[int]:
+        """Width of each key's block along ``key_dim``."""
+        ...
+
+    def values(self) -> torch.Tensor:
+        """``[B, sum(lengths)]`` when ``key_dim() == 1``, ``[sum(lengths), B]`` when ``key_dim() == 0``."""
+        ...
+
+    def key_dim(self) -> int:
+        """The dimension of ``values()`` along which the keys' blocks are laid out (0 or 1)."""
         ...
