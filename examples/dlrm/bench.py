@@ -1,0 +1,413 @@
+"""Our DLRM trainer against torchrec's on the same model, tables, optimizer and batches, on one device.
+
+    python -m examples.dlrm.bench --device cuda --json docs/bench/examples-dlrm-h200.json --plot out.png
+
+Rows (``--impls``): ``ours-pipelined`` and ``ours-plain`` (every table in a TBE: fbgemm's on CUDA), ``ours-kv``
+(pipelined, Criteo's five large tables in key-value tables on RocksDB), ``torchrec-pipeline``
+(``DistributedModelParallel`` + ``TrainPipelineSparseDist``, CUDA only: its pipeline needs streams) and
+``torchrec-plain`` (``DistributedModelParallel`` in a plain loop). torchrec gets the same 26 tables (fused
+row-wise Adagrad in its TBEs), the same bottom MLP / interaction / top MLP modules, the same dense Adagrad and the
+same synthetic batches (a pool cycled, as the trainer's ``--batch-pool``). torchrec is a benchmark-only
+dependency: when it does not import, its rows are reported as skipped.
+
+Each run trains ``warmup + steps + profile_steps`` steps. Throughput: a device sync after step ``warmup`` and after
+step ``warmup + steps`` (counted at the dense optimizer's step), samples of those steps over the wall time between.
+GPU busy: a torch.profiler window over the next ``profile_steps`` steps, the union of kernel / memcpy / memset
+intervals over the window's wall time. Implementations run interleaved, ``--reps`` times; medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from examples.dlrm.data import SPARSE_FEATURES, DLRMBatch, SyntheticCriteo
+from examples.dlrm.model import MLP, DLRMHead
+from examples.dlrm.train import TrainConfig, train
+
+__all__ = ["main"]
+
+ALL_IMPLS = ("ours-pipelined", "ours-plain", "ours-kv", "torchrec-pipeline", "torchrec-plain")
+NUM_DENSE = 13
+NO_KV = 10**15  # a key-value row threshold no table reaches: every table in a TBE
+
+
+@dataclass
+class _Window:
+    """Step counter fed by the dense optimizer's step: throughput window, then a profiler window."""
+
+    warmup: int
+    steps: int
+    profile_steps: int
+    cuda: bool
+    count: int = 0
+    t0: float = 0.0
+    t1: float = 0.0
+    profiler: Any = None
+    trace: str = ""
+
+    def on_step(self) -> None:
+        self.count += 1
+        if self.count == self.warmup:
+            self._sync()
+            self.t0 = time.perf_counter()
+        elif self.count == self.warmup + self.steps:
+            self._sync()
+            self.t1 = time.perf_counter()
+            if self.cuda and self.profile_steps:
+                self.profiler = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                )
+                self.profiler.start()
+        elif self.profiler is not None and self.count == self.warmup + self.steps + self.profile_steps:
+            self._sync()
+            self.profiler.stop()
+            handle, self.trace = tempfile.mkstemp(suffix=".json")
+            os.close(handle)
+            self.profiler.export_chrome_trace(self.trace)
+            self.profiler = None
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _busy_fraction(trace: str) -> float:
+    """Union of GPU kernel / memcpy / memset intervals over the span of the trace's GPU and CPU-op events."""
+    if not trace:
+        return float("nan")
+    opener = gzip.open if trace.endswith(".gz") else open
+    with opener(trace, "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    os.unlink(trace)
+    gpu = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    cpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "cpu_op"]
+    if not gpu or not cpu:
+        return float("nan")
+    start = min(a for a, _ in cpu)
+    end = max(max(b for _, b in cpu), gpu[-1][1])
+    busy, cur_a, cur_b = 0.0, gpu[0][0], gpu[0][1]
+    for a, b in gpu[1:]:
+        if a > cur_b:
+            busy += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    busy += cur_b - cur_a
+    return float(busy / max(end - start, 1e-9))
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """Model and batch shape shared by every implementation."""
+
+    device: str
+    batch_size: int
+    min_batch_size: int
+    embedding_dim: int
+    batch_pool: int
+    max_rows: int
+    kv_max_rows: int
+    cache_rows: int
+    warmup: int
+    steps: int
+    profile_steps: int
+    out: Path
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps + self.profile_steps + 4  # pipelines look ahead a few batches
+
+    def train_config(self, *, pipeline: bool, kv: bool) -> TrainConfig:
+        return TrainConfig(
+            out=self.out,
+            steps=self.total_steps,
+            batch_size=self.batch_size,
+            min_batch_size=self.min_batch_size,
+            embedding_dim=self.embedding_dim,
+            max_rows=self.max_rows,
+            kv_max_rows=self.kv_max_rows,
+            kv_rows_threshold=TrainConfig(out=self.out).kv_rows_threshold if kv else NO_KV,
+            cache_rows=self.cache_rows,
+            kv_store="rocksdb",
+            batch_pool=self.batch_pool,
+            pipeline=pipeline,
+            log_every=10**9,
+            device=self.device,
+        )
+
+
+def _run_window(bench: BenchConfig, body: Callable[[], list[int]]) -> dict[str, float]:
+    """Run ``body`` (it trains and returns the batch size of every step) under a fresh step window."""
+    window = _Window(bench.warmup, bench.steps, bench.profile_steps, cuda=bench.device.startswith("cuda"))
+
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if type(opt) is torch.optim.Adagrad:  # the dense optimizer: one step per training step
+            window.on_step()
+
+    handle = register_optimizer_step_post_hook(hook)
+    try:
+        sizes = body()
+    finally:
+        handle.remove()
+    samples = sum(sizes[bench.warmup : bench.warmup + bench.steps])
+    seconds = window.t1 - window.t0
+    return {
+        "qps": samples / seconds if seconds > 0 else float("nan"),
+        "ms_per_step": 1000.0 * seconds / bench.steps,
+        "gpu_busy": _busy_fraction(window.trace),
+    }
+
+
+def _ours(bench: BenchConfig, *, pipeline: bool, kv: bool) -> list[int]:
+    result = train(bench.train_config(pipeline=pipeline, kv=kv), rank=0, world_size=1)
+    return list(result.samples)
+
+
+def _pool(bench: BenchConfig) -> list[DLRMBatch]:
+    config = bench.train_config(pipeline=False, kv=False)
+    source = SyntheticCriteo(config.synthetic(0, 1), rank=0, world_size=1)
+    return [source.batch(i) for i in range(min(bench.batch_pool, bench.total_steps))]
+
+
+def _torchrec(bench: BenchConfig, *, pipeline: bool) -> list[int]:
+    """torchrec's DistributedModelParallel over the same tables, modules, optimizers and batches."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.modules.regroup import KTRegroupAsDict
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    device = torch.device(bench.device)
+    config = bench.train_config(pipeline=False, kv=False)
+    rows = config.embedding_config(1).table_rows
+    dim = bench.embedding_dim
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name=f"t_{f}", embedding_dim=dim, num_embeddings=r, feature_names=[f])
+            for f, r in zip(SPARSE_FEATURES, rows, strict=True)
+        ],
+        device=torch.device("meta"),
+    )
+
+    class TorchrecDLRM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sparse_arch = ebc
+            self.bottom = MLP(NUM_DENSE, [*config.bottom_layers, dim], final_relu=True, seed=config.seed)
+            self.head = DLRMHead(
+                num_embeddings=len(SPARSE_FEATURES) + 1,
+                embedding_dim=dim,
+                top_layers=config.top_layers,
+                seed=config.seed + 1,
+            )
+            self.regroup = KTRegroupAsDict(groups=[["dense", *SPARSE_FEATURES]], keys=["interaction"])
+
+        def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            dense = self.bottom(batch.dense_features)
+            pooled = self.sparse_arch(batch.sparse_features)
+            dense_kt = KeyedTensor(keys=["dense"], length_per_key=[dim], values=dense)
+            grouped = self.regroup([dense_kt, pooled])["interaction"]
+            logits = self.head.logits(grouped)
+            return F.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
+
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": config.sparse_lr})
+    # Every table table-wise in a fused TBE (as ours): the planner alone picks data-parallel on one rank.
+    unsharded = TorchrecDLRM()
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=1, compute_device=device.type),
+        constraints={
+            f"t_{f}": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
+            for f in SPARSE_FEATURES
+        },
+    )
+    plan = planner.collective_plan(unsharded, [EmbeddingBagCollectionSharder()], dist.group.WORLD)
+    model = DistributedModelParallel(unsharded, device=device, plan=plan)
+    dense_params = [p for n, p in model.named_parameters() if "sparse_arch" not in n]
+    optimizer = torch.optim.Adagrad(dense_params, lr=config.dense_lr, foreach=True)
+
+    def to_torchrec(b: DLRMBatch) -> Any:
+        features = b.sparse_features
+        kjt = KeyedJaggedTensor(
+            keys=list(features.keys()),
+            values=features.values(),
+            lengths=features.lengths(),
+            stride=b.batch_size,
+        )
+        out = Batch(dense_features=b.dense_features, sparse_features=kjt, labels=b.labels)
+        return out.pin_memory() if device.type == "cuda" else out
+
+    pool = [to_torchrec(b) for b in _pool(bench)]
+    sizes = [int(pool[i % len(pool)].labels.shape[0]) for i in range(bench.total_steps)]
+
+    def batches() -> Iterator[Any]:
+        for i in range(bench.total_steps):
+            yield pool[i % len(pool)]
+
+    if pipeline:
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        pipe = TrainPipelineSparseDist(model, optimizer, device)
+        it = batches()
+        try:
+            while True:
+                pipe.progress(it)
+        except StopIteration:
+            pass
+    else:
+        model.train()
+        for b in batches():
+            b = b.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            loss, _ = model(b)
+            loss.backward()
+            optimizer.step()
+    return sizes
+
+
+def _run(bench: BenchConfig, impl: str) -> list[int]:
+    if impl == "ours-pipelined":
+        return _ours(bench, pipeline=True, kv=False)
+    if impl == "ours-plain":
+        return _ours(bench, pipeline=False, kv=False)
+    if impl == "ours-kv":
+        return _ours(bench, pipeline=True, kv=True)
+    if impl == "torchrec-pipeline":
+        return _torchrec(bench, pipeline=True)
+    if impl == "torchrec-plain":
+        return _torchrec(bench, pipeline=False)
+    raise ValueError(f"`impl` is {impl!r}, expected one of {', '.join(ALL_IMPLS)}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m examples.dlrm.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--impls", default=",".join(ALL_IMPLS), help="comma-separated subset of " + ",".join(ALL_IMPLS)
+    )
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=60)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--profile-steps", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=8192)
+    p.add_argument("--min-batch-size", type=int, default=4096)
+    p.add_argument("--embedding-dim", type=int, default=64)
+    p.add_argument("--batch-pool", type=int, default=32)
+    p.add_argument("--max-rows", type=int, default=20_000)
+    p.add_argument("--kv-max-rows", type=int, default=10_000_000)
+    p.add_argument("--cache-rows", type=int, default=65536)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    impls = [i for i in args.impls.split(",") if i]
+    unknown = [i for i in impls if i not in ALL_IMPLS]
+    if unknown:
+        print(f"error: `--impls` names {', '.join(unknown)}; expected some of {', '.join(ALL_IMPLS)}")
+        return 2
+    if args.device == "cpu" and "torchrec-pipeline" in impls:
+        impls.remove("torchrec-pipeline")  # torchrec's pipeline needs CUDA streams
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo", rank=0, world_size=1)
+    try:
+        import torchrec  # noqa: F401
+    except Exception as exc:  # any import failure (missing, ABI mismatch): its rows are skipped
+        print(f"torchrec does not import here ({type(exc).__name__}: {exc}); its rows are skipped")
+        impls = [i for i in impls if not i.startswith("torchrec")]
+    results: dict[str, list[dict[str, float]]] = {i: [] for i in impls}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            for impl in impls:
+                bench = BenchConfig(
+                    device=args.device,
+                    batch_size=args.batch_size,
+                    min_batch_size=args.min_batch_size,
+                    embedding_dim=args.embedding_dim,
+                    batch_pool=args.batch_pool,
+                    max_rows=args.max_rows,
+                    kv_max_rows=args.kv_max_rows,
+                    cache_rows=args.cache_rows,
+                    warmup=args.warmup,
+                    steps=args.steps,
+                    profile_steps=args.profile_steps,
+                    out=Path(tmp) / f"{impl}-{rep}",
+                )
+                row = _run_window(bench, functools.partial(_run, bench, impl))
+                results[impl].append(row)
+                print(
+                    f"rep {rep} {impl:18s} {row['qps']:>12,.0f} samples/s {row['ms_per_step']:8.2f} ms/step "
+                    f"gpu busy {row['gpu_busy']:.1%}",
+                    flush=True,
+                )
+    summary = [
+        {
+            "case": f"dlrm B{args.min_batch_size}-{args.batch_size} D{args.embedding_dim}",
+            "impl": impl,
+            "qps_median": statistics.median(r["qps"] for r in rows),
+            "median_ms": statistics.median(r["ms_per_step"] for r in rows),
+            "gpu_busy_median": statistics.median(r["gpu_busy"] for r in rows),
+            "reps": rows,
+        }
+        for impl, rows in results.items()
+    ]
+    print(f"\n{'impl':18s} {'samples/s':>12s} {'ms/step':>8s} {'GPU busy':>8s}")
+    for s in summary:
+        print(f"{s['impl']:18s} {s['qps_median']:>12,.0f} {s['median_ms']:8.2f} {s['gpu_busy_median']:8.1%}")
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "package": "examples-dlrm",
+            "date": time.strftime("%Y-%m-%d"),
+            "command": "python -m examples.dlrm.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "device": device_name,
+            "torch": torch.__version__,
+            "results": summary,
+        }
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.barh([str(s["impl"]) for s in summary], [float(str(s["qps_median"])) for s in summary])
+        ax.set_xlabel("samples/s (median)")
+        ax.set_title(f"DLRM training step, {device_name}")
+        fig.tight_layout()
+        fig.savefig(args.plot)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
