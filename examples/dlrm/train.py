@@ -38,6 +38,7 @@ from examples.dlrm.data import (
 )
 from examples.dlrm.embeddings import EmbeddingConfig, ShardedTables, build_sharded_tables
 from examples.dlrm.model import DLRM
+from examples.dlrm.replicate import replicate_dense
 from examples.dlrm.report import ProgressBar, format_table, plot_history
 from pipeline_stages import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
 
@@ -182,20 +183,6 @@ class _Timer:
         self._start = now
 
 
-def _all_reduce_dense_grads(params: Sequence[torch.nn.Parameter], world_size: int) -> None:
-    """Average the replicated parameters' gradients over the ranks, in one flat all-reduce."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if world_size > 1:
-        dist.all_reduce(flat)
-        flat /= world_size
-    offset = 0
-    for p, g in zip(params, grads, strict=True):
-        n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(p)
-        offset += n
-
-
 def _new_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # unannotated in torch
 
@@ -297,6 +284,9 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
             granularity=config.graph_granularity,
         )
 
+    # Dense gradients are averaged over the ranks by DDP during the backward (overlapped with it).
+    train_loss = replicate_dense(model, world_size=world_size)
+
     start = 0
     history: dict[str, list[float]] = {"loss": [], "samples": [], "seconds": []}
     if config.resume:
@@ -364,13 +354,12 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         if batch is None:
             break
         optimizer.zero_grad(set_to_none=True)
-        loss = model.train_loss(batch)
+        loss = train_loss(batch)
         timer.lap("forward")
         loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is unannotated in torch
-        timer.lap("backward (incl. fused sparse optimizer)")
-        _all_reduce_dense_grads(dense_params, world_size)
+        timer.lap("backward (incl. fused sparse optimizer, dense all-reduce)")
         optimizer.step()
-        timer.lap("dense all-reduce + optimizer")
+        timer.lap("dense optimizer")
         step += 1
         pending.append(loss.detach())
         samples.append(batch.batch_size)
