@@ -44,7 +44,7 @@ def replicate_dense(model: DLRM, *, world_size: int) -> Callable[[DLRMBatch], to
         for name, tensor in [*wrapper.named_parameters(), *wrapper.named_buffers()]
         if id(tensor) in sparse
     ]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapper, ignored)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapper, ignored)  # type: ignore[no-untyped-call]  # unannotated in torch (the hook torchrec uses too)
     device = next(model.bottom.parameters()).device
     ddp = DistributedDataParallel(
         wrapper,
