@@ -1,0 +1,536 @@
+"""The device-managed cache (``cache_on_device=True``, the CUDA default) against the host-cache path and a dense
+in-memory reference over many steps with tiny caches: both tiers, VBE and ``vbe_output``, prefetch one and two
+batches ahead; forced on the CPU and, marked ``gpu``, on CUDA."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssd_tbe_adapter import (
+    InvalidArgumentError,
+    KeyValueEmbeddingBags,
+    KVStore,
+    MemoryStore,
+    StoreIOError,
+    TableSpec,
+)
+from ssd_tbe_adapter._device_cache import DeviceCache
+from ssd_tbe_adapter._host_tier import HostTier, TierRows
+from ssd_tbe_adapter._init import init_rows, table_salt
+
+TABLES = [TableSpec("a", 8), TableSpec("b", 5)]
+FTM = [0, 1, 0]  # table "a" looked up by two features
+LR = 0.1
+ID_POOL = torch.tensor(
+    [0, 1, 2, 3, 7, 11, -5, 99, 2**40 + 3, -(2**62), 12, 13, 14, 15, 16, 17], dtype=torch.int64
+)
+
+
+@dataclass(frozen=True)
+class Batch:
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    psw: torch.Tensor
+    sizes: list[list[int]] | None  # VBE batch sizes [F][R], None: fixed batch
+
+
+def make_batches(steps: int, *, vbe: bool, seed: int = 0, batch: int = 4) -> list[Batch]:
+    """``steps`` batches of ~20 lookups over 16 ids per table (VBE: 2 ranks of 0..4 samples per feature)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        if vbe:
+            sizes: list[list[int]] | None = [
+                [int(torch.randint(0, batch + 1, (1,), generator=gen)) for _ in range(2)] for _ in FTM
+            ]
+            bags = sum(map(sum, sizes or []))
+        else:
+            sizes, bags = None, batch * len(FTM)
+        lengths = torch.randint(0, 4, (bags,), generator=gen)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        indices = ID_POOL[torch.randint(0, ID_POOL.numel(), (int(offsets[-1]),), generator=gen)]
+        out.append(Batch(indices, offsets, torch.rand(indices.numel(), generator=gen) + 0.5, sizes))
+    return out
+
+
+class Reference:
+    """Dense tables over ``ID_POOL``: autograd through ``embedding_bag`` for gradients, the optimizer by hand."""
+
+    def __init__(self, optimizer: str, pooling: str, fp16: bool) -> None:
+        self.optimizer, self.pooling, self.fp16 = optimizer, pooling, fp16
+        self.row = {int(i): r for r, i in enumerate(ID_POOL.tolist())}
+        self.weights = []
+        for spec in TABLES:
+            w = init_rows(ID_POOL, spec.dim, table_salt(0, spec.name), -0.01, 0.01)
+            self.weights.append(w.half().float() if fp16 else w)
+        self.state = [torch.zeros(ID_POOL.numel()) for _ in TABLES]
+
+    def step(self, b: Batch, probe_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward (module layout) + backward of ``(out * probe).sum()`` + update; returns (out, psw grad)."""
+        leaves = [w.clone().requires_grad_(True) for w in self.weights]
+        psw = b.psw.clone().requires_grad_(True)
+        rows = torch.tensor([self.row[int(i)] for i in b.indices.tolist()], dtype=torch.int64)
+        bags = [sum(s) for s in b.sizes] if b.sizes else [(b.offsets.numel() - 1) // len(FTM)] * len(FTM)
+        pooled, start = [], 0
+        for f, t in enumerate(FTM):
+            o = b.offsets[start : start + bags[f] + 1]
+            p = torch.nn.functional.embedding_bag(
+                rows[int(o[0]) : int(o[-1])],
+                leaves[t],
+                o - o[0],
+                mode=self.pooling,
+                per_sample_weights=psw[int(o[0]) : int(o[-1])] if self.pooling == "sum" else None,
+                include_last_offset=True,
+            )
+            pooled.append(p)
+            start += bags[f]
+        if b.sizes is None:
+            out = torch.cat(pooled, 1)
+        else:
+            parts = []
+            for r in range(2):
+                for f in range(len(FTM)):
+                    first = sum(b.sizes[f][:r])
+                    parts.append(pooled[f][first : first + b.sizes[f][r]].reshape(-1))
+            out = torch.cat(parts)
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(probe_seed))
+        torch.autograd.backward((out * probe).sum())
+        for t, leaf in enumerate(leaves):
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            w = self.weights[t]
+            if self.optimizer == "sgd":
+                w = w - LR * g
+            else:
+                self.state[t] = self.state[t] + g.pow(2).mean(1)
+                w = w - (LR / (self.state[t].sqrt() + 1e-8))[:, None] * g
+            self.weights[t] = w.half().float() if self.fp16 else w
+        grad = psw.grad if psw.grad is not None else torch.zeros_like(psw)
+        return out.detach(), grad
+
+
+def train(
+    module: KeyValueEmbeddingBags,
+    batches: Sequence[Batch],
+    *,
+    ahead: int,
+    layout: str,
+    weighted: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Train over ``batches`` prefetching ``ahead`` batches ahead (0: none); outputs and psw gradients (CPU).
+
+    ``layout``: ``"plain"`` (no VBE), ``"vbe"`` or ``"vbe_output"`` (blocks written into a larger buffer at
+    shuffled offsets; the gaps must stay untouched)."""
+    device = module.device
+    on = [(b.indices.to(device), b.offsets.to(device), b.psw.to(device), b.sizes) for b in batches]
+    cuda = device.type == "cuda"
+    side = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+
+    def prefetch(k: int) -> None:
+        if k >= len(on):
+            return
+        indices, offsets, _, sizes = on[k]
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                module.prefetch(indices, offsets, sizes)
+        else:
+            module.prefetch(indices, offsets, sizes)
+
+    for k in range(ahead):
+        prefetch(k)
+    outputs, grads = [], []
+    for step, (indices, offsets, psw_values, sizes) in enumerate(on):
+        if ahead:
+            prefetch(step + ahead)
+        psw = psw_values.clone().requires_grad_(True) if weighted else None
+        if layout == "vbe_output":
+            assert sizes is not None
+            dims = [TABLES[t].dim for t in FTM]
+            order = torch.randperm(2 * len(FTM), generator=torch.Generator().manual_seed(step)).tolist()
+            starts = torch.zeros(2, len(FTM), dtype=torch.int64)
+            cursor = 3
+            for j in order:
+                r, f = divmod(j, len(FTM))
+                starts[r, f] = cursor
+                cursor += sizes[f][r] * dims[f] + 2
+            buffer = torch.full((cursor,), 42.0, device=device)
+            out = module(indices, offsets, psw, sizes, buffer, starts.to(device))
+            assert out is buffer
+            mask = torch.ones(cursor, dtype=torch.bool)
+            parts = []
+            for r in range(2):
+                for f in range(len(FTM)):
+                    lo, n = int(starts[r, f]), sizes[f][r] * dims[f]
+                    mask[lo : lo + n] = False
+                    parts.append(out[lo : lo + n])
+            assert bool((out.detach().cpu()[mask] == 42.0).all())
+            mine = torch.cat(parts)
+        else:
+            mine = module(indices, offsets, psw, sizes)
+        probe = torch.randn(mine.shape, generator=torch.Generator().manual_seed(1000 + step)).to(device)
+        torch.autograd.backward((mine * probe).sum())
+        outputs.append(mine.detach().cpu())
+        grads.append(psw.grad.cpu() if psw is not None and psw.grad is not None else torch.zeros(0))
+    return outputs, grads
+
+
+def stored_rows(module: KeyValueEmbeddingBags) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
+    """Every stored row after a flush (through checkpoint)."""
+    return {
+        (c.table, i): (w.float(), s)
+        for c in module.checkpoint(chunk_rows=5)
+        for i, w, s in zip(c.ids.tolist(), c.weights, c.optimizer_state, strict=True)
+    }
+
+
+def make_module(
+    device: str,
+    *,
+    on_device: bool | None,
+    cache_rows: int | list[int],
+    host_cache_rows: int = 0,
+    optimizer: str = "rowwise_adagrad",
+    pooling: str = "sum",
+    fp16: bool = False,
+    store: KVStore | None = None,
+) -> KeyValueEmbeddingBags:
+    return KeyValueEmbeddingBags(
+        TABLES,
+        FTM,
+        store if store is not None else MemoryStore(),
+        cache_rows=cache_rows,
+        optimizer=optimizer,  # type: ignore[arg-type]
+        learning_rate=LR,
+        pooling=pooling,  # type: ignore[arg-type]
+        weights_precision="fp16" if fp16 else "fp32",
+        device=device,
+        cache_on_device=on_device,
+        host_cache_rows=host_cache_rows,
+    )
+
+
+TIERS = [
+    ("hbm3", {"cache_rows": 3}),
+    ("hbm0", {"cache_rows": 0}),
+    ("hbm-per-table", {"cache_rows": [5, 1]}),
+    ("hbm2+dram5", {"cache_rows": 2, "host_cache_rows": 5}),
+    ("hbm1+dram64", {"cache_rows": 1, "host_cache_rows": 64}),
+    ("hbm64", {"cache_rows": 64}),
+]
+LAYOUTS = ["plain", "vbe", "vbe_output"]
+
+
+def check_against_both(
+    device: str,
+    tiers: dict[str, object],
+    *,
+    ahead: int,
+    layout: str,
+    optimizer: str = "rowwise_adagrad",
+    pooling: str = "sum",
+    fp16: bool = False,
+    steps: int = 10,
+) -> KeyValueEmbeddingBags:
+    """Train the device-cache module, the host-cache CPU module and the reference on the same batches; every
+    output, psw gradient and final row agree. Returns the (closed) device-cache module for metric checks."""
+    batches = make_batches(steps, vbe=layout != "plain", seed=ahead * 7 + len(layout))
+    weighted = pooling == "sum"
+    tol = 2e-3 if fp16 else 1e-5
+    module = make_module(device, on_device=True, optimizer=optimizer, pooling=pooling, fp16=fp16, **tiers)  # type: ignore[arg-type]
+    host = make_module("cpu", on_device=False, cache_rows=3, optimizer=optimizer, pooling=pooling, fp16=fp16)
+    got_out, got_grad = train(module, batches, ahead=ahead, layout=layout, weighted=weighted)
+    host_out, host_grad = train(host, batches, ahead=0, layout=layout, weighted=weighted)
+    reference = Reference(optimizer, pooling, fp16)
+    for step, b in enumerate(batches):
+        want_out, want_grad = reference.step(b, 1000 + step)
+        torch.testing.assert_close(got_out[step], want_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(got_out[step], host_out[step], atol=tol, rtol=tol)
+        if weighted:
+            torch.testing.assert_close(got_grad[step], want_grad, atol=tol, rtol=tol)
+            torch.testing.assert_close(got_grad[step], host_grad[step], atol=tol, rtol=tol)
+    mine, theirs = stored_rows(module), stored_rows(host)
+    assert mine.keys() == theirs.keys()
+    for (table, i), (w, s) in mine.items():
+        t = [spec.name for spec in TABLES].index(table)
+        r = reference.row[i]
+        torch.testing.assert_close(w, reference.weights[t][r], atol=tol, rtol=tol)
+        torch.testing.assert_close(w, theirs[(table, i)][0], atol=tol, rtol=tol)
+        if optimizer == "rowwise_adagrad":
+            torch.testing.assert_close(s[0], reference.state[t][r], atol=tol, rtol=tol)
+    module.close()
+    host.close()
+    return module
+
+
+# ---------------------------------------------------------------------------- CPU (forced)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS)
+@pytest.mark.parametrize("ahead", [0, 1, 2], ids=["sync", "ahead1", "ahead2"])
+@pytest.mark.parametrize("tiers", [t for _, t in TIERS], ids=[n for n, _ in TIERS])
+def test_device_cache_matches_host_path_and_reference(
+    tiers: dict[str, object], ahead: int, layout: str
+) -> None:
+    """Ten steps with tiny caches (~20 rows a batch, 3 features over 2 tables, weighted, row-wise Adagrad)
+    give the reference's and the host-cache path's outputs, psw gradients and rows."""
+    check_against_both("cpu", tiers, ahead=ahead, layout=layout)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "pooling", "fp16"),
+    [
+        ("sgd", "sum", False),
+        ("rowwise_adagrad", "mean", False),
+        ("sgd", "mean", True),
+        ("rowwise_adagrad", "sum", True),
+    ],
+    ids=["sgd-sum", "adagrad-mean", "sgd-mean-fp16", "adagrad-sum-fp16"],
+)
+def test_device_cache_optimizers_pooling_precision(optimizer: str, pooling: str, fp16: bool) -> None:
+    """SGD, mean pooling and fp16 rows on the device cache match the reference (both tiers, prefetch ahead)."""
+    check_against_both(
+        "cpu",
+        {"cache_rows": 2, "host_cache_rows": 6},
+        ahead=1,
+        layout="vbe",
+        optimizer=optimizer,
+        pooling=pooling,
+        fp16=fp16,
+    )
+
+
+def test_dram_tier_keeps_evicted_rows_out_of_the_store() -> None:
+    """Rows leaving the device cache go to the DRAM tier while it has room (no store write until flush); a
+    DRAM tier too small pushes dirty rows down to the store."""
+    batches = make_batches(8, vbe=False)
+    roomy = make_module("cpu", on_device=True, cache_rows=2, host_cache_rows=64)
+    train(roomy, batches, ahead=1, layout="plain", weighted=True)
+    m = roomy.metrics()
+    assert m["hbm_evicted_rows"] > 0
+    assert m["host_tier_rows_in"] > 0
+    assert m["host_tier_hits"] > 0  # evicted rows came back from DRAM, not from the store
+    assert m["store_rows_written"] == 0
+    roomy.flush()
+    assert roomy.metrics()["store_rows_written"] > 0
+    roomy.close()
+    # Without prefetch the scratch pool holds one batch's overflow, so rows do leave the device cache.
+    tight = make_module("cpu", on_device=True, cache_rows=2, host_cache_rows=3)
+    train(tight, batches, ahead=0, layout="plain", weighted=True)
+    m = tight.metrics()
+    assert m["host_tier_evicted_rows"] > 0
+    assert m["store_rows_written"] > 0
+    tight.close()
+
+
+def test_scratch_pool_grows_and_batches_stay_protected() -> None:
+    """With no cache slots at all, every row of the batches in flight (two prefetched ahead) lives in the
+    scratch pool, which grows to hold them; results stay exact (checked by the reference)."""
+    module = check_against_both("cpu", {"cache_rows": 0}, ahead=2, layout="vbe")
+    m = module.metrics()
+    assert m["hbm_scratch_slots"] >= 16  # two or three batches of rows in flight at once
+    assert m["forwards_without_prefetch"] == 0
+    assert m["forward_hit_rate"] == 1.0
+
+
+def test_prefetched_forward_reuses_slots_and_counts_hits() -> None:
+    """Forwards of prefetched batches find every row cached; a forward given other tensors than its prefetch
+    plans again (and stays exact)."""
+    batches = make_batches(4, vbe=False)
+    module = make_module("cpu", on_device=True, cache_rows=4)
+    module.prefetch(batches[0].indices, batches[0].offsets)
+    out = module(batches[0].indices.clone(), batches[0].offsets, None)  # not the prefetched tensor
+    out.sum().backward()
+    assert module.metrics()["forwards_without_prefetch"] == 1
+    module.close()
+
+
+class FailingStore(MemoryStore):
+    """A memory store whose next ``failures`` reads raise ``StoreIOError``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = 0
+
+    def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
+        if self.failures:
+            self.failures -= 1
+            raise StoreIOError("injected read failure")
+        return super().get(ids, out, table=table)
+
+
+def test_failed_prefetch_read_surfaces_at_forward_and_loses_no_update() -> None:
+    """A store read failing in prefetch raises at the forward that would use it; retrying that forward and
+    training on gives the reference's rows (no update lost, no row duplicated)."""
+    batches = make_batches(6, vbe=False)
+    store = FailingStore()
+    module = make_module("cpu", on_device=True, cache_rows=2, host_cache_rows=3, store=store)
+    reference = Reference("rowwise_adagrad", "sum", False)
+    for step, b in enumerate(batches):
+        if step == 3:
+            store.failures = 1
+            module.prefetch(b.indices, b.offsets)
+            with pytest.raises(StoreIOError, match="injected"):
+                module.wait_prefetch()
+            with pytest.raises(StoreIOError, match="injected"):
+                module(b.indices, b.offsets, b.psw)
+        out = module(b.indices, b.offsets, b.psw)
+        want, _ = reference.step(b, 1000 + step)
+        torch.testing.assert_close(out.detach(), want, atol=1e-5, rtol=1e-5)
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1000 + step))
+        (out * probe).sum().backward()
+    for (table, i), (w, _) in stored_rows(module).items():
+        t = [spec.name for spec in TABLES].index(table)
+        torch.testing.assert_close(w, reference.weights[t][reference.row[i]], atol=1e-5, rtol=1e-5)
+    module.close()
+
+
+def test_restore_empties_both_tiers(tmp_path: Path) -> None:
+    """load_checkpoint on a device-cache module drops the cached rows of both tiers (they would be stale)."""
+    batches = make_batches(4, vbe=False)
+    module = make_module("cpu", on_device=True, cache_rows=3, host_cache_rows=8)
+    train(module, batches[:2], ahead=1, layout="plain", weighted=True)
+    module.save_checkpoint(tmp_path / "ckpt")
+    saved = stored_rows(module)
+    train(module, batches[2:], ahead=1, layout="plain", weighted=True)
+    module.load_checkpoint(tmp_path / "ckpt")
+    assert module.metrics()["hbm_cached_rows"] == 0
+    after = stored_rows(module)
+    assert after.keys() == saved.keys()
+    for key, (w, _) in saved.items():
+        torch.testing.assert_close(after[key][0], w)
+    module.close()
+
+
+def test_bad_host_cache_rows_is_rejected() -> None:
+    """`host_cache_rows` must be an int >= 0 and needs the device cache."""
+    with pytest.raises(InvalidArgumentError, match="`host_cache_rows`"):
+        make_module("cpu", on_device=True, cache_rows=2, host_cache_rows=-1)
+    with pytest.raises(InvalidArgumentError, match=r"`host_cache_rows`.*device cache"):
+        make_module("cpu", on_device=False, cache_rows=2, host_cache_rows=4)
+
+
+def test_device_cache_lookup_and_victims() -> None:
+    """DeviceCache alone: misses are moved in once per unique row, hits keep their slot, protected slots are
+    never victims and the oldest unprotected slot is."""
+    lower = HostTier(16, [4], _NullTier(), pin=False)
+    cache = DeviceCache([3], [4], torch.device("cpu"), lower, round_fp16=False)
+    tables = torch.zeros(5, dtype=torch.int64)
+    first = cache.assign(tables, torch.tensor([5, 6, 5, 7, 6]), tick=1, protect=1)
+    assert first[0] == first[2]
+    assert first[1] == first[4]
+    assert len(set(first.tolist())) == 3
+    assert cache.metrics.inserted_rows == 3
+    again = cache.assign(tables[:2], torch.tensor([7, 5]), tick=2, protect=2)
+    assert again.tolist() == [first[3].item(), first[0].item()]
+    # Row 6 (tick 1) is the only unprotected one: it leaves; 5 and 7 (tick 2) stay.
+    third = cache.assign(tables[:1], torch.tensor([8]), tick=3, protect=2)
+    assert third.tolist() == [first[1].item()]
+    assert cache.lookup(tables[:3], torch.tensor([5, 7, 6])).tolist() == [
+        first[0].item(),
+        first[3].item(),
+        -1,
+    ]
+    assert lower.cached_rows == 1  # row 6 went down to the host tier
+
+
+class _NullTier:
+    """A bottom tier of fresh zero rows."""
+
+    keeps_clean_rows = False
+
+    def take(self, tables: torch.Tensor, ids: torch.Tensor) -> TierRows:
+        k = ids.numel()
+        return TierRows(
+            tables=tables,
+            ids=ids,
+            weights=torch.zeros(k, 4),
+            state=torch.zeros(k),
+            dirty=torch.zeros(k, dtype=torch.bool),
+        )
+
+    def give(self, rows: TierRows) -> None:
+        del rows
+
+    def persist(self, rows: TierRows) -> None:
+        del rows
+
+    def flush(self) -> None:
+        return None
+
+    def clear(self) -> None:
+        return None
+
+    def summary(self) -> dict[str, float]:
+        return {}
+
+    def reset_metrics(self) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS)
+@pytest.mark.parametrize("ahead", [0, 1, 2], ids=["sync", "ahead1", "ahead2"])
+@pytest.mark.parametrize("tiers", [t for _, t in TIERS], ids=[n for n, _ in TIERS])
+def test_cuda_device_cache_matches_host_path_and_reference(
+    tiers: dict[str, object], ahead: int, layout: str
+) -> None:
+    """On CUDA (prefetch on a side stream): the CPU host-cache path's and the reference's outputs, psw
+    gradients and rows."""
+    check_against_both("cuda", tiers, ahead=ahead, layout=layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("optimizer", "pooling", "fp16"),
+    [("sgd", "mean", True), ("rowwise_adagrad", "sum", True), ("rowwise_adagrad", "mean", False)],
+    ids=["sgd-mean-fp16", "adagrad-sum-fp16", "adagrad-mean"],
+)
+def test_cuda_device_cache_optimizers_pooling_precision(optimizer: str, pooling: str, fp16: bool) -> None:
+    """SGD, mean pooling and fp16 rows on CUDA match the reference (both tiers, prefetch two ahead)."""
+    check_against_both(
+        "cuda",
+        {"cache_rows": 2, "host_cache_rows": 6},
+        ahead=2,
+        layout="vbe_output",
+        optimizer=optimizer,
+        pooling=pooling,
+        fp16=fp16,
+    )
+
+
+@pytest.mark.gpu
+def test_cuda_prefetched_step_has_no_host_sync() -> None:
+    """After a prefetch, forward and backward on CUDA run without one device -> host sync (torch's sync debug
+    mode raises on any)."""
+    batches = make_batches(3, vbe=True)
+    module = make_module("cuda", on_device=True, cache_rows=4, host_cache_rows=8)
+    assert module.metrics()["hbm_slots"] >= 0
+    on = [(b.indices.cuda(), b.offsets.cuda(), b.psw.cuda(), b.sizes) for b in batches]
+    for indices, offsets, psw, sizes in on:
+        module.prefetch(indices, offsets, sizes)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = module(indices, offsets, psw, sizes)
+            out.sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert module.metrics()["forwards_without_prefetch"] == 0
+    module.close()
+
+
+@pytest.mark.gpu
+def test_cuda_is_the_default_device_cache() -> None:
+    """A module on CUDA manages its cache on the device unless told otherwise."""
+    module = make_module("cuda", on_device=None, cache_rows=4)
+    assert "hbm_hit_rate" in module.metrics()
+    module.close()
