@@ -8,7 +8,7 @@ Pairs (provider → consumer Protocol):
 - fbgemm TBE, vbe_lookup.TorchEmbeddingKernel, ssd_tbe_adapter.KeyValueEmbeddingBags → vbe_lookup EmbeddingKernel
 - ssd_tbe_adapter.KeyValueEmbeddingBags → vbe_lookup PrefetchableKernel
 - vbe_lookup.ShardedEmbeddingBags → pipeline_stages SparseDistModule and Prefetchable
-- the example's DLRMBatch → pipeline_stages Pipelineable
+- the example's DLRMBatch, kt_regroup.KeyedTensor → pipeline_stages Pipelineable
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import datetime as dt
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -29,7 +29,13 @@ from examples.dlrm.data import DLRMBatch, SyntheticConfig, SyntheticCriteo
 from examples.dlrm.harness import free_port
 from kt_regroup import KeyedTensor, KTRegroupAsDict
 from kt_regroup.interfaces import KeyedTensorLike
-from pipeline_stages import BackwardOverlap, PipelineStage, SparseDataDistUtil, StagedTrainPipeline
+from pipeline_stages import (
+    BackwardOverlap,
+    PipelineStage,
+    SparseDataDistUtil,
+    StagedTrainPipeline,
+    record_stream_all,
+)
 from pipeline_stages.interfaces import KeyedTensorLike as StagesKeyedTensorLike
 from pipeline_stages.interfaces import Pipelineable, Prefetchable, SparseDistModule
 from ssd_tbe_adapter import KeyValueEmbeddingBags, MemoryStore, RocksDBStore, TableSpec
@@ -118,6 +124,35 @@ def test_kt_regroup_keyed_tensor_is_cut_by_backward_overlap() -> None:
     assert emb.weight.grad is not None
     assert reference.weight.grad is not None
     torch.testing.assert_close(emb.weight.grad, reference.weight.grad)
+
+
+class _RecordingTensor(torch.Tensor):
+    """Notes record_stream calls instead of running them (CPU has no record_stream kernel)."""
+
+    streams: ClassVar[list[Any]] = []
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func is torch.Tensor.record_stream:
+            cls.streams.append((args[0].data_ptr(), args[1]))
+            return None
+        return super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[no-untyped-call]  # untyped in torch
+
+
+def test_kt_regroup_keyed_tensor_is_pipelineable_and_record_stream_all_records_it() -> None:
+    """kt_regroup.KeyedTensor fits Pipelineable; pipeline_stages.record_stream_all records its values."""
+    values = torch.randn(3, 7).as_subclass(_RecordingTensor)
+    kt: Pipelineable = KeyedTensor(keys=["a", "b"], length_per_key=[2, 5], values=values)
+    assert isinstance(kt, Pipelineable)
+    moved = kt.to(CPU, non_blocking=True)
+    assert isinstance(moved, KeyedTensor)
+    assert moved.keys() == ["a", "b"]
+    stream: Any = torch.Stream(device="cpu")  # a CPU stream: the walk's device-type check lets it through
+    _RecordingTensor.streams.clear()
+    record_stream_all({"pooled": kt, "nested": [kt]}, stream)
+    assert (values.data_ptr(), stream) in _RecordingTensor.streams
 
 
 # ---------------------------------------------------------------------------------------------- vbe-lookup

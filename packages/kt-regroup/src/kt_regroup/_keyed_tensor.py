@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from kt_regroup._regroup import regroup, regroup_as_dict
 from kt_regroup._spec import as_lengths
 from kt_regroup.errors import (
     AmbiguousKeyError,
@@ -17,6 +18,7 @@ from kt_regroup.errors import (
     LengthMismatchError,
     UnknownKeyError,
 )
+from kt_regroup.interfaces import KeyedTensorLike
 
 __all__ = ["KeyedTensor"]
 
@@ -69,10 +71,13 @@ class KeyedTensor:
         lengths_t = as_lengths(length_per_key, "`length_per_key`")
         if key_dim not in (0, 1):
             raise LayoutMismatchError(f"`key_dim` is {key_dim!r}; expected 0 or 1")
-        if not isinstance(values, torch.Tensor) or values.dim() != 2:
+        # Under torch.fx.symbolic_trace the values are a Proxy (no shape or dtype yet): keys and lengths are
+        # still checked here, the values when the traced graph runs regroup.
+        traced = isinstance(values, torch.fx.Proxy)
+        if not traced and (not isinstance(values, torch.Tensor) or values.dim() != 2):
             shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
             raise LayoutMismatchError(f"`values` must be a 2-D tensor; got {shape}")
-        if not values.dtype.is_floating_point:
+        if not traced and not values.dtype.is_floating_point:
             # Checked here, not first at regroup time: every regroup path rejects other dtypes.
             raise LayoutMismatchError(
                 f"`values` have dtype {values.dtype}; expected a floating-point dtype (pooled embeddings)"
@@ -92,7 +97,7 @@ class KeyedTensor:
         if any(n < 0 for n in lengths_t):
             raise LengthMismatchError(f"`length_per_key` must be >= 0; got {list(lengths_t)[:8]}")
         width = sum(lengths_t)
-        if width != values.size(key_dim):
+        if not traced and width != values.size(key_dim):
             raise LengthMismatchError(
                 f"`length_per_key` sums to {width} but `values` has {values.size(key_dim)} "
                 f"along key_dim={key_dim} (shape {tuple(values.shape)})"
@@ -151,8 +156,60 @@ class KeyedTensor:
         """0 or 1."""
         return self._key_dim
 
+    def device(self) -> torch.device:
+        """The device of ``values()`` (torchrec's name)."""
+        return self._values.device
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
+        """A KeyedTensor with the same keys, lengths and ``key_dim`` whose values are on ``device``.
+
+        Args:
+            device: the target device.
+            non_blocking: passed to ``Tensor.to`` (an async copy from pinned host memory).
+
+        Returns:
+            A new KeyedTensor (its values are ``values()`` itself when they are on ``device`` already).
+        """
+        moved = KeyedTensor.__new__(KeyedTensor)
+        moved._keys = self._keys
+        moved._length_per_key = self._length_per_key
+        moved._values = self._values.to(device, non_blocking=non_blocking)
+        moved._key_dim = self._key_dim
+        moved._offset_per_key = self._offset_per_key
+        return moved
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Mark ``values()`` (the only tensor held) as used by ``stream``, so its memory outlives that use.
+
+        Values on another device type than ``stream`` are left alone (a host tensor has no
+        ``record_stream``), as pipeline-stages' ``record_stream_all`` does for plain tensors.
+
+        Args:
+            stream: the stream (``torch.cuda.Stream`` on CUDA) that will read the values.
+        """
+        if self._values.device.type == stream.device.type:
+            self._values.record_stream(stream)
+
+    @staticmethod
+    def regroup(
+        keyed_tensors: Sequence[KeyedTensorLike], groups: Sequence[Sequence[str]]
+    ) -> list[torch.Tensor]:
+        """torchrec's ``KeyedTensor.regroup``: :func:`kt_regroup.regroup` with the ``"auto"`` backend."""
+        return regroup(keyed_tensors, groups)
+
+    @staticmethod
+    def regroup_as_dict(
+        keyed_tensors: Sequence[KeyedTensorLike], groups: Sequence[Sequence[str]], keys: Sequence[str]
+    ) -> dict[str, torch.Tensor]:
+        """torchrec's ``KeyedTensor.regroup_as_dict``: :func:`kt_regroup.regroup_as_dict` (``"auto"`` backend)."""
+        return regroup_as_dict(keyed_tensors, groups, keys)
+
     def to_dict(self) -> dict[str, torch.Tensor]:
         """``{key: its block}``; blocks are views of ``values()`` (``[B, D_k]`` or ``[D_k, B]``)."""
+        values: object = self._values  # typed Tensor, a Proxy under torch.fx.symbolic_trace
+        if isinstance(values, torch.fx.Proxy):
+            # A traced split cannot be unpacked: one traced narrow per key instead.
+            return {key: self[key] for key in self._keys}
         blocks = torch.split(self._values, list(self._length_per_key), dim=self._key_dim)
         return dict(zip(self._keys, blocks, strict=False))
 

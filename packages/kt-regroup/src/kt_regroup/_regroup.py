@@ -13,7 +13,14 @@ from torch import nn
 from kt_regroup._backend import resolve_backend
 from kt_regroup._ops import PlanArgs, run_permute
 from kt_regroup._plan import Plan, PlanData, build_plan, build_plan_data, make_tensors
-from kt_regroup._spec import InputLayout, build_spec, check_keyed_tensors, normalize_groups, read_layout
+from kt_regroup._spec import (
+    InputLayout,
+    as_lengths,
+    build_spec,
+    check_keyed_tensors,
+    normalize_groups,
+    read_layout,
+)
 from kt_regroup.errors import ArgumentTypeError, InvalidGroupsError, LayoutMismatchError, LengthMismatchError
 from kt_regroup.interfaces import KeyedTensorLike
 
@@ -81,6 +88,55 @@ def _cached_plan(layout: InputLayout, groups: tuple[tuple[str, ...], ...], backe
     return plan
 
 
+def _traced_by_fx(keyed_tensors: Sequence[KeyedTensorLike]) -> bool:
+    """Whether ``torch.fx.symbolic_trace`` is tracing these inputs (some values are fx Proxies)."""
+    return any(isinstance(kt.values(), torch.fx.Proxy) for kt in keyed_tensors)
+
+
+def _fx_regroup(
+    values: list[torch.Tensor],
+    keys: tuple[tuple[str, ...], ...],
+    lengths: tuple[tuple[int, ...], ...],
+    key_dim: int,
+    groups: tuple[tuple[str, ...], ...],
+    backend: str,
+) -> list[torch.Tensor]:
+    """One node of a ``torch.fx`` graph: the regroup of ``values`` laid out as ``keys`` / ``lengths``.
+
+    Wrapped with ``torch.fx.wrap``, so symbolic tracing records a call (its arguments are the traced values
+    and plain constants) instead of tracing into plan building; when the graph runs, this is the
+    functional :func:`regroup` (same checks, its plan cache per layout).
+    """
+    from kt_regroup._keyed_tensor import KeyedTensor  # imports this module
+
+    kts = [KeyedTensor(k, n, v, key_dim) for k, n, v in zip(keys, lengths, values, strict=True)]
+    return regroup(kts, groups, backend=backend)
+
+
+torch.fx.wrap("_fx_regroup")
+
+
+def _trace_fx(
+    keyed_tensors: Sequence[KeyedTensorLike], groups: tuple[tuple[str, ...], ...], backend: str
+) -> list[torch.Tensor]:
+    """Under ``torch.fx.symbolic_trace``: one ``_fx_regroup`` node, indexed per group (a list of Proxies)."""
+    key_dims = {kt.key_dim() for kt in keyed_tensors}
+    if len(key_dims) != 1:
+        raise LayoutMismatchError(f"the KeyedTensors have key_dims {sorted(key_dims)}; expected one key_dim")
+    outputs = _fx_regroup(
+        [kt.values() for kt in keyed_tensors],
+        tuple(tuple(kt.keys()) for kt in keyed_tensors),
+        tuple(
+            as_lengths(kt.length_per_key(), f"KeyedTensor {i}'s `length_per_key`")
+            for i, kt in enumerate(keyed_tensors)
+        ),
+        key_dims.pop(),
+        groups,
+        backend,
+    )
+    return [outputs[index] for index in range(len(groups))]
+
+
 def _args(plan: Plan, tensors: Sequence[torch.Tensor] | None = None) -> PlanArgs:
     return (
         tuple(plan.tensors if tensors is None else tensors),
@@ -129,6 +185,9 @@ def regroup(
         UnknownBackendError, BackendUnavailableError: see ``backend``.
     """
     groups_t = normalize_groups(groups)
+    check_keyed_tensors(keyed_tensors)
+    if _traced_by_fx(keyed_tensors):
+        return _trace_fx(keyed_tensors, groups_t, backend)
     layout = read_layout(keyed_tensors)
     return _run(keyed_tensors, _cached_plan(layout, groups_t, backend))
 
@@ -251,6 +310,9 @@ class KTRegroupAsDict(nn.Module):
         if not keyed_tensors:
             raise LayoutMismatchError("`keyed_tensors` is empty: at least one KeyedTensor is needed")
         try:
+            if _traced_by_fx(keyed_tensors):
+                outputs = _trace_fx(keyed_tensors, self._groups, self._backend)
+                return dict(zip(self._keys, outputs, strict=True))
             first = keyed_tensors[0].values()
             key = self._layout_key(keyed_tensors, first)
         except (AttributeError, RuntimeError):
