@@ -24,7 +24,9 @@ class PipelineStage:
         name: the stage's name; it names the stage in errors, ``stats()``, debug logs and profiler ranges,
             and must be unique within a pipeline.
         runnable: ``runnable(batch) -> batch``, a transform that does not take part in the model's
-            backward (host-to-device copy, sparse data dist start, prefetch, GPU postprocessing).
+            backward (host-to-device copy, sparse data dist start, prefetch, GPU postprocessing). It may
+            return a new object but never None (the pipeline raises a ``StageError`` naming the stage:
+            None would read as "data exhausted").
         stream: the CUDA stream the runnable runs on, or None to run on the stream that is current when
             ``progress()`` is called (on CPU streams do not exist: always None there).
         fill_callback: called right after this stage ran, only while the pipeline fills (torchrec: the

@@ -72,7 +72,7 @@ class StageError(PipelineError):
     stage_index: int
     batch_index: int
     phase: str
-    dropped_batches: tuple[int, ...]
+    dropped_batches: tuple[int, ...] = ()
 
     # The builtin classes this (generated) class mixes in; () for StageError itself.
     _builtins: tuple[type[Exception], ...] = ()
