@@ -329,3 +329,46 @@ def test_backward_overlap_runs_embedding_backward_on_module_stream() -> None:
     assert dense.weight.grad is not None
     assert dense_ref.weight.grad is not None
     torch.testing.assert_close(dense.weight.grad, dense_ref.weight.grad)
+
+
+def test_none_from_a_stage_and_iterator_errors_on_streams() -> None:
+    """On CUDA streams too: None from a runnable is a StageError naming the stage; an iterator error undoes
+    the step (every batch comes out once, in order, with its values)."""
+    device = torch.device("cuda")
+    copy_stream, work_stream = cuda_stream(), cuda_stream()
+    bad = StagedTrainPipeline(
+        [
+            PipelineStage("data_copy", lambda b: b.to(device, non_blocking=True), stream=copy_stream),
+            PipelineStage("postproc", lambda b: None, stream=work_stream),
+        ]
+    )
+    with pytest.raises(StageError, match=r"stage `postproc` \(stage 1 of 2\) returned None for batch 0"):
+        bad.progress(iter([Batch(index=0, x=torch.ones(4).pin_memory())]))
+
+    failed = False
+
+    def data() -> Any:
+        nonlocal failed
+        for i in range(6):
+            if i == 3 and not failed:
+                failed = True
+                raise ValueError("corrupt record")
+            yield Batch(index=i, x=torch.full((4,), float(i)).pin_memory())
+
+    pipeline = StagedTrainPipeline(
+        [
+            PipelineStage("data_copy", lambda b: b.to(device, non_blocking=True), stream=copy_stream),
+            PipelineStage("double", lambda b: Batch(index=b.index, x=b.x * 2, log=b.log), stream=work_stream),
+        ]
+    )
+    it = data()
+    first = pipeline.progress(it)  # the fill pulled batches 0 and 1, this call batch 2
+    got = [(first.index, first.x)]
+    with pytest.raises(ValueError, match="corrupt record"):
+        pipeline.progress(it)  # pulling batch 3 raises
+    while (batch := pipeline.progress(it)) is not None:  # the generator died: the pulled batches drain
+        got.append((batch.index, batch.x))
+    torch.cuda.synchronize()
+    assert [i for i, _ in got] == [0, 1, 2]
+    for i, x in got:
+        torch.testing.assert_close(x.cpu(), torch.full((4,), 2.0 * i))
