@@ -177,6 +177,13 @@ class DevicePath:
         self._open.clear()
         self.cache.clear()
 
+    def load_host_tier(self, table: int, ids: torch.Tensor) -> None:
+        """Read the rows of ``ids`` (``[K]`` int64 host, unique, not cached yet) from the store into the host
+        tier (warm start: benchmarks); nothing without a host tier."""
+        lower = self.cache.lower
+        if isinstance(lower, HostTier):
+            lower.load(torch.full_like(ids, table), ids)
+
     def close(self) -> None:
         """Forget the pending prefetches."""
         self._pending.clear()

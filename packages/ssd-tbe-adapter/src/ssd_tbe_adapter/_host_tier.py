@@ -221,21 +221,22 @@ class _SortedIndex:
     ids: np.ndarray[Any, np.dtype[np.int64]] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     slots: np.ndarray[Any, np.dtype[np.int64]] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
-    def find(self, query: np.ndarray[Any, np.dtype[np.int64]]) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """Slots of ``query`` ids, ``-1`` where absent."""
+    def find(
+        self, query: np.ndarray[Any, np.dtype[np.int64]]
+    ) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
+        """Slots of ``query`` ids (``-1`` where absent) and their positions in the index (for :meth:`remove`)."""
         n = self.ids.shape[0]
         if n == 0 or query.shape[0] == 0:
-            return np.full(query.shape[0], -1, dtype=np.int64)
+            return np.full(query.shape[0], -1, dtype=np.int64), np.zeros(query.shape[0], dtype=np.int64)
         position = np.minimum(np.searchsorted(self.ids, query), n - 1)
         slots: np.ndarray[Any, np.dtype[np.int64]] = self.slots[position]
         slots[self.ids[position] != query] = -1
-        return slots
+        return slots, position
 
-    def remove(self, ids: np.ndarray[Any, np.dtype[np.int64]]) -> None:
-        """Forget ``ids`` (all present)."""
-        if ids.shape[0]:
-            keep = ~np.isin(self.ids, ids, assume_unique=True)
-            self.ids, self.slots = self.ids[keep], self.slots[keep]
+    def remove(self, positions: np.ndarray[Any, np.dtype[np.int64]]) -> None:
+        """Forget the entries at ``positions`` (from :meth:`find`, unique): one pass over the index."""
+        if positions.shape[0]:
+            self.ids, self.slots = np.delete(self.ids, positions), np.delete(self.slots, positions)
 
     def add(
         self, ids: np.ndarray[Any, np.dtype[np.int64]], slots: np.ndarray[Any, np.dtype[np.int64]]
@@ -292,11 +293,12 @@ class HostTier:
         start = time.perf_counter()
         k = ids.numel()
         slots = np.full(k, -1, dtype=np.int64)
+        at = np.zeros(k, dtype=np.int64)
         runs = _table_runs(tables, len(self._dims))
         ids_np = ids.numpy()
         for table, positions in runs:
             pos = positions.numpy()
-            slots[pos] = self._index[table].find(ids_np[pos])
+            slots[pos], at[pos] = self._index[table].find(ids_np[pos])
         found = slots >= 0
         n_found = int(found.sum())
         missing = np.flatnonzero(~found)
@@ -316,7 +318,7 @@ class HostTier:
             self.dirty[hit_slots_np] = False
             for table, positions in runs:
                 pos = positions.numpy()
-                self._index[table].remove(ids_np[pos][found[pos]])
+                self._index[table].remove(at[pos][found[pos]])
         if below is not None:
             miss_pos = torch.from_numpy(missing)
             weights[miss_pos] = below.weights
@@ -364,6 +366,10 @@ class HostTier:
         self.metrics.rows_in += k
         self.metrics.bytes_in += k * (self._dmax + 1) * 4
         self.metrics.seconds += time.perf_counter() - start
+
+    def load(self, tables: torch.Tensor, ids: torch.Tensor) -> None:
+        """Read rows (absent here and from every tier above) from the tier below into this tier (warm start)."""
+        self.give(self._lower.take(tables, ids))
 
     def persist(self, rows: TierRows) -> None:
         """Straight to the store."""
@@ -416,6 +422,7 @@ class HostTier:
             self.metrics.written_rows += int(dirty.sum())
         self.metrics.evicted_rows += slots.shape[0]
         for table, positions in _table_runs(rows.tables, len(self._dims)):
-            self._index[table].remove(rows.ids[positions].numpy())
+            index = self._index[table]
+            index.remove(index.find(rows.ids[positions].numpy())[1])
         self.valid[slots] = False
         self.dirty[slots] = False

@@ -16,6 +16,14 @@ Implementations, run interleaved step by step after a warm-up that fills the cac
   (half the cores, at most 4) is 1, else 1; shows what splitting large gets over I/O threads gives;
 - ``kv-memstore-prefetch``: ``kv-prefetch`` over ``MemoryStore``: the module's own cost without RocksDB.
 
+These four use the host-managed cache (``cache_on_device=False``). With the device-managed cache
+(``cache_on_device=True``, the CUDA default: index, victims, pooling and optimizer on the device):
+
+- ``kv-device-prefetch``: ``kv-prefetch`` (RocksDB, no DRAM tier);
+- ``kv-device-memstore-prefetch``: the same over ``MemoryStore``;
+- ``kv-device-dram-prefetch``: RocksDB behind a host-DRAM tier loaded with every row before the warm-up
+  (``host_cache_rows`` = all rows of the tables), so in steady state no store traffic.
+
 After those, without compute (host only):
 
 - ``store-io-floor``: per step, exactly as many RocksDB rows read and written as ``kv-prefetch`` measured per
@@ -61,6 +69,7 @@ FLOOR = "store-io-floor"
 MAX_IO_THREADS = max(2, min(4, os.cpu_count() or 2))
 ALT_IO_THREADS = 2 if default_io_threads() == 1 else 1
 VARIANT = f"kv-prefetch-io{ALT_IO_THREADS}"
+DEVICE_ROWS = ("kv-device-prefetch", "kv-device-memstore-prefetch", "kv-device-dram-prefetch")
 _SEED = 1  # of the batches (and so of each table's hot set)
 
 
@@ -122,6 +131,17 @@ def _prefill(store: RocksDBStore | MemoryStore, module: KeyValueEmbeddingBags, c
     module.reset_metrics()
 
 
+def _fill_dram(module: KeyValueEmbeddingBags, case: Case) -> None:
+    """Load every row into the module's host-DRAM tier (it holds all rows the device cache does not)."""
+    path = module._device_path
+    assert path is not None
+    chunk = 50_000
+    for table in range(case.tables):
+        for start in range(0, case.rows, chunk):
+            path.load_host_tier(table, torch.arange(start, min(start + chunk, case.rows), dtype=torch.int64))
+    module.reset_metrics()
+
+
 def _timed(device: torch.device, step: Callable[[], None]) -> float:
     start = time.perf_counter()
     step()
@@ -161,7 +181,7 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
         resident["fbgemm-tbe"] = case.tables * case.rows * (case.dim + 1) * 4
 
     io_threads = {VARIANT: ALT_IO_THREADS, FLOOR: MAX_IO_THREADS}
-    for name in ("kv-sync", "kv-prefetch", VARIANT, "kv-memstore-prefetch", FLOOR):
+    for name in ("kv-sync", "kv-prefetch", VARIANT, "kv-memstore-prefetch", *DEVICE_ROWS, FLOOR):
         store: RocksDBStore | MemoryStore = (
             MemoryStore()
             if "memstore" in name
@@ -175,8 +195,12 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
             optimizer="rowwise_adagrad",
             learning_rate=0.01,
             device=device,
+            cache_on_device=name in DEVICE_ROWS,
+            host_cache_rows=case.tables * case.rows if "dram" in name else 0,
         )
         _prefill(store, module, case)
+        if "dram" in name:
+            _fill_dram(module, case)
         modules[name] = module
         resident[name] = case.tables * cache_rows * (case.dim + 1) * 4
 
@@ -192,7 +216,7 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
         module.wait_prefetch()
 
     impls["kv-sync"] = sync_step
-    for name in ("kv-prefetch", VARIANT, "kv-memstore-prefetch"):
+    for name in ("kv-prefetch", VARIANT, "kv-memstore-prefetch", *DEVICE_ROWS):
         impls[name] = lambda k, name=name: prefetch_step(name, k)  # type: ignore[misc]
         modules[name].prefetch(*batches[0])
 
@@ -249,6 +273,9 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
             row["store_read_rows_per_s"] = m["store_read_rows_per_s"]
             row["store_write_rows_per_s"] = m["store_write_rows_per_s"]
             row["store_rows_read_per_step"] = m["store_rows_read"] / case.steps
+            for key in ("hbm_hit_rate", "hbm_scratch_slots", "host_tier_hit_rate"):
+                if key in m:
+                    row[key] = m[key]
         results.append(row)
     for module in modules.values():
         module.close()
