@@ -235,6 +235,27 @@ def test_wrong_argument_types_raise_argument_type_error(call: Callable[[], objec
     assert isinstance(info.value, KTRegroupError)
 
 
+def test_an_input_without_key_dim_is_named() -> None:
+    """An object with values() but no key_dim() is named, by the module and by regroup."""
+
+    class NoKeyDim:
+        def keys(self) -> list[str]:
+            return ["a"]
+
+        def length_per_key(self) -> list[int]:
+            return [2]
+
+        def values(self) -> torch.Tensor:
+            return torch.zeros(3, 2)
+
+    odd: Any = NoKeyDim()
+    for call in (lambda: KTRegroupAsDict([["a"]], ["g"])([odd]), lambda: regroup([odd], [["a"]])):
+        with pytest.raises(
+            ArgumentTypeError, match=r"`keyed_tensors\[0\]` is NoKeyDim, which has no `key_dim\(\)`"
+        ):
+            call()
+
+
 def test_float_lengths_of_a_foreign_keyed_tensor_are_not_truncated() -> None:
     """A KeyedTensor-like reporting float lengths is an error, not silently truncated widths."""
 

@@ -89,8 +89,22 @@ def _cached_plan(layout: InputLayout, groups: tuple[tuple[str, ...], ...], backe
 
 
 def _traced_by_fx(keyed_tensors: Sequence[KeyedTensorLike]) -> bool:
-    """Whether ``torch.fx.symbolic_trace`` is tracing these inputs (some values are fx Proxies)."""
-    return any(isinstance(kt.values(), torch.fx.Proxy) for kt in keyed_tensors)
+    """Whether ``torch.fx.symbolic_trace`` is tracing these inputs (some values are fx Proxies).
+
+    Raises:
+        ArgumentTypeError: ``keyed_tensors`` is not a list of KeyedTensor-likes (see
+            :func:`check_keyed_tensors`, which only runs when something is wrong: the eager path pays one
+            ``isinstance`` per input).
+    """
+    given: object = keyed_tensors  # callers without type checking pass a single KeyedTensor
+    if not isinstance(given, (list, tuple)):
+        check_keyed_tensors(given)  # raises (a single KeyedTensor would be iterated by key `0`)
+    try:
+        return any(isinstance(kt.values(), torch.fx.Proxy) for kt in keyed_tensors)
+    except (AttributeError, RuntimeError):
+        # A plain tensor (its values() is the sparse op) or None in the list: say so, not the raw error.
+        check_keyed_tensors(keyed_tensors)
+        raise
 
 
 def _fx_regroup(
@@ -185,7 +199,6 @@ def regroup(
         UnknownBackendError, BackendUnavailableError: see ``backend``.
     """
     groups_t = normalize_groups(groups)
-    check_keyed_tensors(keyed_tensors)
     if _traced_by_fx(keyed_tensors):
         return _trace_fx(keyed_tensors, groups_t, backend)
     layout = read_layout(keyed_tensors)
@@ -304,20 +317,16 @@ class KTRegroupAsDict(nn.Module):
 
     def forward(self, keyed_tensors: list[KeyedTensorLike]) -> dict[str, torch.Tensor]:
         """``{name: [B, sum(dims)]}`` for every group (``[sum(dims), B]`` for ``key_dim == 0`` inputs)."""
-        given: object = keyed_tensors  # callers without type checking pass a single KeyedTensor
-        if not isinstance(given, (list, tuple)):
-            check_keyed_tensors(given)  # raises (a single KeyedTensor would be indexed by key `0`)
+        if _traced_by_fx(keyed_tensors):  # also the precise error for a single KeyedTensor, None, a tensor
+            outputs = _trace_fx(keyed_tensors, self._groups, self._backend)
+            return dict(zip(self._keys, outputs, strict=True))
         if not keyed_tensors:
             raise LayoutMismatchError("`keyed_tensors` is empty: at least one KeyedTensor is needed")
+        first = keyed_tensors[0].values()
         try:
-            if _traced_by_fx(keyed_tensors):
-                outputs = _trace_fx(keyed_tensors, self._groups, self._backend)
-                return dict(zip(self._keys, outputs, strict=True))
-            first = keyed_tensors[0].values()
             key = self._layout_key(keyed_tensors, first)
-        except (AttributeError, RuntimeError):
-            # A plain tensor (its values() is the sparse op) or None in the list: say so, not the raw error.
-            check_keyed_tensors(keyed_tensors)
+        except AttributeError:
+            check_keyed_tensors(keyed_tensors)  # an input without keys() / length_per_key() / key_dim()
             raise
         cached = self._plans.get(key)
         if cached is None and torch.compiler.is_compiling():
