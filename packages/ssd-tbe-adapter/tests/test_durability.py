@@ -3,11 +3,15 @@ state after a crash, prefetch matching, error classes. SIGKILL tests run real su
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,9 +19,13 @@ import torch
 
 from ssd_tbe_adapter import (
     CheckpointCorruptError,
+    DiskFullError,
     KeyValueEmbeddingBags,
+    KVStore,
     MemoryStore,
+    RocksDBStore,
     SSDTBEAdapterError,
+    StoreCorruptError,
     TableChunk,
     TableSpec,
 )
@@ -164,3 +172,351 @@ def test_bad_checkpoint_chunk_leaves_live_tables_untouched(tmp_path: Path, damag
     assert isinstance(info.value, SSDTBEAdapterError)
     assert isinstance(info.value, ValueError)
     assert rows_of(live) == before
+
+
+# ---------------------------------------------------------------------------- 1, 5: corrupt store files
+
+
+def rocksdb_module(
+    path: Path, *, keep_last_flush: bool = True, at_last_flush: bool = False
+) -> KeyValueEmbeddingBags:
+    return make_module(RocksDBStore(path, keep_last_flush=keep_last_flush, at_last_flush=at_last_flush))
+
+
+def test_garbled_sst_raises_on_every_read_path(tmp_path: Path) -> None:
+    """A garbled SST block: checkpoint() (iter_chunks checks the iterator status), get and forward raise
+    StoreCorruptError naming the SST file instead of returning fewer rows."""
+    module = rocksdb_module(tmp_path / "db")
+    module.restore(chunks_with(1.0, 3000))
+    module.close()
+    (sst,) = [p for p in (tmp_path / "db").glob("*.sst") if p.stat().st_size > 100_000]
+    with open(sst, "r+b") as handle:
+        handle.seek(sst.stat().st_size // 3)
+        handle.write(bytes(range(256)) * 16)
+    module = rocksdb_module(tmp_path / "db")
+    with pytest.raises(StoreCorruptError, match=sst.name):
+        list(module.checkpoint())
+    with pytest.raises(StoreCorruptError, match=sst.name):
+        module.store.get(torch.arange(3000), torch.empty(3000, 20, dtype=torch.uint8), table=0)
+    with pytest.raises(StoreCorruptError, match=sst.name), torch.no_grad():
+        module(torch.arange(3000).repeat(2), torch.tensor([0, 3000, 6000]))
+
+
+@pytest.mark.parametrize("keep", [0.25, 0.5, 0.9], ids=["quarter", "half", "most"])
+def test_truncated_manifest_refuses_to_open_and_last_flush_recovers(tmp_path: Path, keep: float) -> None:
+    """A truncated MANIFEST no longer opens as a store with rows missing: StoreCorruptError says flushed rows
+    were lost, and at_last_flush=True brings every flushed row back (its checkpoint holds the SST files)."""
+    path = tmp_path / "db"
+    module = rocksdb_module(path)
+    for value in (1.0, 2.0, 3.0):
+        module.restore(chunks_with(value, 400 * int(value)))  # restore() flushes: one SST per restore
+    module.close()
+    (manifest,) = path.glob("MANIFEST-*")
+    os.truncate(manifest, int(manifest.stat().st_size * keep))
+    with pytest.raises(StoreCorruptError, match="at_last_flush=True"):
+        RocksDBStore(path)
+    module = rocksdb_module(path, at_last_flush=True)
+    assert rows_of(module) == expected_rows(3.0, 1200)
+    module.close()
+
+
+def test_manifest_losing_its_last_flushes_is_detected(tmp_path: Path) -> None:
+    """A MANIFEST cut after its first flush opens in RocksDB as a smaller database (the later SST files are
+    deleted as orphans); the flush number recorded beside it turns that into StoreCorruptError, and the
+    last-flush checkpoint still has every row."""
+    path = tmp_path / "db"
+    store = RocksDBStore(path)
+    for part in range(2):
+        store.put(torch.arange(1000) + 1000 * part, torch.full((1000, 40), part, dtype=torch.uint8))
+        store.flush()
+    store.close()
+    (manifest,) = path.glob("MANIFEST-*")
+    os.truncate(manifest, manifest.stat().st_size // 3)
+    with pytest.raises(
+        StoreCorruptError, match=r"lost flushed rows: its database holds flush #\d, but flush #3"
+    ):
+        RocksDBStore(path)
+    with RocksDBStore(path, at_last_flush=True) as store:
+        assert sum(ids.numel() for ids, _ in store.iter_chunks(table=0, chunk_rows=4096)) == 2000
+
+
+def test_missing_sst_file_refuses_to_open(tmp_path: Path) -> None:
+    """A store with an SST file deleted refuses to open (paranoid checks) with StoreCorruptError naming it."""
+    path = tmp_path / "db"
+    module = rocksdb_module(path, keep_last_flush=False)
+    module.restore(chunks_with(1.0, 100))
+    module.close()
+    sst = sorted(path.glob("*.sst"))[0]
+    sst.unlink()
+    with pytest.raises(StoreCorruptError, match=sst.name):
+        RocksDBStore(path)
+
+
+def test_garbled_wal_record_refuses_to_open(tmp_path: Path) -> None:
+    """A damaged WAL record before the last one (a crashed store's unflushed batches) raises StoreCorruptError
+    instead of silently dropping the batch and every later one."""
+    path = tmp_path / "db"
+    store = RocksDBStore(path)
+    for batch in range(4):
+        store.put(torch.arange(100) + 100 * batch, torch.full((100, 40), batch, dtype=torch.uint8))
+    crashed = tmp_path / "crashed"  # the files as a crash right now would leave them
+    shutil.copytree(path, crashed, ignore=shutil.ignore_patterns("LOCK"))
+    store.close()
+    (wal,) = crashed.glob("*.log")
+    with open(wal, "r+b") as handle:
+        handle.seek(wal.stat().st_size // 4)
+        handle.write(b"\xff" * 16)
+    with pytest.raises(StoreCorruptError, match=str(crashed)):
+        RocksDBStore(crashed)
+    store = RocksDBStore(crashed, wal_recovery="tolerate_tail")  # the documented way to open it anyway
+    assert sum(ids.numel() for ids, _ in store.iter_chunks(table=0, chunk_rows=1000)) < 400
+    store.close()
+
+
+# ---------------------------------------------------------------------------- 11: back to the last flush
+
+CRASH_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    import ssd_tbe_adapter._store as store_module
+    from ssd_tbe_adapter import KeyValueEmbeddingBags, MemoryStore, RocksDBStore, TableSpec
+    path, out, kill_at = sys.argv[1], sys.argv[2], sys.argv[3]
+    tables = [TableSpec("a", 4), TableSpec("b", 3)]
+    def make(store):
+        return KeyValueEmbeddingBags(tables, None, store, cache_rows=8, optimizer="rowwise_adagrad",
+                                     learning_rate=0.3)
+    module, twin = make(RocksDBStore(path)), make(MemoryStore())  # twin: the same steps, never crashed
+    gen = torch.Generator().manual_seed(0)
+    def step(high):
+        indices = torch.randint(0, high, (24,), generator=gen)
+        offsets = torch.arange(0, 25, 4)
+        for m in (module, twin):
+            m(indices, offsets).pow(2).sum().backward()  # tiny caches: evictions write rows back
+    def rows():
+        return {(c.table, i): [*w.tolist(), *s.tolist()] for c in twin.checkpoint()
+                for i, w, s in zip(c.ids.tolist(), c.weights, c.optimizer_state)}
+    for _ in range(5):
+        step(60)
+    module.flush()
+    torch.save(rows(), out + ".flushed")
+    for _ in range(5):
+        step(90)
+    torch.save(rows(), out + ".next")
+    def kill(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kill_at == "before-record":  # the flush's data and checkpoint are written, SSD_TBE_FLUSH not yet
+        store_module._write_json = kill
+    elif kill_at == "after-record":  # SSD_TBE_FLUSH replaced, its directory not fsynced yet
+        store_module.fsync_directory = kill
+    if kill_at != "training":
+        module.flush()
+    print("TRAINING", flush=True)
+    while True:
+        step(90)
+    """
+)
+
+
+def test_sigkill_at_several_points_reopens_at_last_flush(tmp_path: Path) -> None:
+    """A training process killed while training after a flush, or inside the next flush before or after it is
+    recorded: RocksDBStore(path, at_last_flush=True) gives exactly the rows of the last completed flush (not a
+    mix of the steps since), checked against a twin module that never crashed."""
+    expected = {"training": ".flushed", "before-record": ".flushed", "after-record": ".next"}
+    children = {
+        kill_at: subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                CRASH_CHILD,
+                str(tmp_path / kill_at),
+                str(tmp_path / f"{kill_at}-rows"),
+                kill_at,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for kill_at in expected
+    }
+    for kill_at, child in children.items():
+        assert child.stdout is not None
+        if kill_at == "training":
+            line = child.stdout.readline()
+            assert line.strip() == "TRAINING", child.stderr.read() if child.stderr else line
+            time.sleep(0.5)  # steps since the flush write evicted rows into the store
+            child.send_signal(signal.SIGKILL)
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == -signal.SIGKILL, err
+        want = torch.load(tmp_path / f"{kill_at}-rows{expected[kill_at]}")
+        if kill_at == "training":  # the live store holds a mix of the steps since the flush (on a copy:
+            # opening and closing a store records its state as a new flush)
+            shutil.copytree(tmp_path / kill_at, tmp_path / "copy", ignore=shutil.ignore_patterns("LOCK"))
+            with RocksDBStore(tmp_path / "copy") as live:
+                assert rows_of(make_module(live)) != want
+        module = KeyValueEmbeddingBags(
+            TABLES,
+            None,
+            RocksDBStore(tmp_path / kill_at, at_last_flush=True),
+            cache_rows=8,
+            optimizer="rowwise_adagrad",
+        )
+        assert rows_of(module) == want, kill_at
+        module.close()
+
+
+# ---------------------------------------------------------------------------- 4: full disk
+
+
+class FullDiskStore:
+    """A KVStore over a real store whose writes fail with ENOSPC while ``full`` is set (an injected full disk)."""
+
+    def __init__(self, inner: KVStore) -> None:
+        self.inner = inner
+        self.full = False
+        self.refused = 0
+
+    def _check_space(self) -> None:
+        if self.full:
+            self.refused += 1
+            raise DiskFullError("no space left on device (injected)")
+
+    def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
+        return self.inner.get(ids, out, table=table)
+
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None:
+        self._check_space()
+        self.inner.put(ids, rows, table=table)
+
+    def iter_chunks(self, *, table: int, chunk_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.inner.iter_chunks(table=table, chunk_rows=chunk_rows)
+
+    def clear_table(self, *, table: int) -> None:
+        self._check_space()
+        self.inner.clear_table(table=table)
+
+    def flush(self) -> None:
+        self._check_space()
+        self.inner.flush()
+
+    def close(self) -> None:
+        self._check_space()
+        self.inner.close()
+
+
+def test_full_disk_is_recoverable_and_drops_no_dirty_row(tmp_path: Path) -> None:
+    """While the disk is full, flush/checkpoint/save_checkpoint/close and an evicting forward raise
+    DiskFullError (an OSError with errno ENOSPC and a package error) and lose nothing: once space is back they
+    all work and every row equals a twin that never saw a full disk (the dirty cached rows included)."""
+    store = FullDiskStore(RocksDBStore(tmp_path / "db"))
+    module = KeyValueEmbeddingBags(TABLES, None, store, cache_rows=2000, optimizer="rowwise_adagrad")
+    twin = KeyValueEmbeddingBags(TABLES, None, MemoryStore(), cache_rows=2000, optimizer="rowwise_adagrad")
+    gen = torch.Generator().manual_seed(0)
+
+    def step(high: int) -> None:
+        indices = torch.randint(0, high, (400,), generator=gen)
+        offsets = torch.arange(0, 401, 4)
+        for m in (module, twin):
+            m(indices, offsets).pow(2).sum().backward()
+
+    for _ in range(20):
+        step(2000)  # about 2 x 1,700 rows cached, every one dirty
+    store.full = True
+    for call in (
+        module.flush,
+        lambda: list(module.checkpoint()),
+        lambda: module.save_checkpoint(tmp_path / "ckpt"),
+        module.close,
+    ):
+        with pytest.raises(DiskFullError) as info:
+            call()
+        assert isinstance(info.value, SSDTBEAdapterError)
+        assert info.value.errno == errno.ENOSPC
+    assert module.metrics()["cached_rows"] > 3000
+    indices = torch.arange(5000, 9000)  # 4,000 new ids: evicts dirty rows, whose write-back fails
+    with pytest.raises(DiskFullError), torch.no_grad():
+        module(indices, torch.tensor([0, 2000, 4000]))
+    assert not (tmp_path / "ckpt").exists() or not (tmp_path / "ckpt" / "manifest.json").exists()
+    store.full = False
+    step(2000)  # training goes on
+    module.flush()
+    assert module.save_checkpoint(tmp_path / "ckpt") == len(rows_of(twin))
+    assert rows_of(module) == rows_of(twin)
+    module.close()
+    reopened = make_module(RocksDBStore(tmp_path / "db"))
+    assert rows_of(reopened) == rows_of(twin)
+    loaded = make_module()
+    loaded.load_checkpoint(tmp_path / "ckpt")
+    assert rows_of(loaded) == rows_of(twin)
+
+
+TMPFS_CHILD = textwrap.dedent(
+    """
+    import errno, os, sys, torch
+    from ssd_tbe_adapter import DiskFullError, KeyValueEmbeddingBags, MemoryStore, RocksDBStore, TableSpec
+    mnt = sys.argv[1]
+    tables = [TableSpec("a", 16), TableSpec("b", 16)]
+    def make(store):
+        return KeyValueEmbeddingBags(tables, None, store, cache_rows=4000, optimizer="rowwise_adagrad")
+    module = make(RocksDBStore(mnt + "/db", write_buffer_mb=1, block_cache_mb=1))
+    twin = make(MemoryStore())
+    gen = torch.Generator().manual_seed(0)
+    def step():
+        indices = torch.randint(0, 3500, (800,), generator=gen)
+        for m in (module, twin):
+            m(indices, torch.arange(0, 801, 8)).pow(2).sum().backward()
+    def rows(m):
+        return {(c.table, i): [*w.tolist(), *s.tolist()] for c in m.checkpoint()
+                for i, w, s in zip(c.ids.tolist(), c.weights, c.optimizer_state)}
+    for _ in range(4):
+        step()
+    module.flush()
+    for _ in range(4):
+        step()  # thousands of dirty cached rows again
+    free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+    with open(mnt + "/filler", "wb") as handle:
+        handle.write(bytes(free - 64 * 1024))
+    for call in (module.flush, lambda: rows(module), lambda: module.save_checkpoint(mnt + "/ckpt"), module.close):
+        try:
+            call()
+        except DiskFullError as error:
+            assert error.errno == errno.ENOSPC, error
+        else:
+            raise AssertionError("no DiskFullError on a full disk")
+    os.remove(mnt + "/filler")
+    step()
+    module.flush()
+    assert module.save_checkpoint(mnt + "/ckpt") > 0
+    assert rows(module) == rows(twin)
+    module.close()
+    assert rows(make(RocksDBStore(mnt + "/db"))) == rows(twin)
+    print("RECOVERED", flush=True)
+    """
+)
+
+
+def _can_mount_tmpfs(directory: Path) -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {directory}"], capture_output=True
+    )
+    return probe.returncode == 0
+
+
+def test_full_tmpfs_real_rocksdb_recovers_once_space_is_freed(tmp_path: Path) -> None:
+    """A real RocksDB store on a 4 MiB tmpfs filled up: flush, checkpoint, save_checkpoint and close raise
+    DiskFullError (ENOSPC); after the filler is removed they work (the store reopens itself out of RocksDB's
+    error state) and every row, the dirty cached ones included, equals a twin that never saw a full disk."""
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    if not _can_mount_tmpfs(mount):
+        pytest.skip("cannot mount a tmpfs here (no unshare or no user namespaces)")
+    script = f'mount -t tmpfs -o size=4m tmpfs {mount} && exec "$0" -c "$1" {mount}'
+    child = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, sys.executable, TMPFS_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split() == ["RECOVERED"], child.stderr

@@ -116,12 +116,12 @@ def test_non_rocksdb_directory_is_clear(tmp_path: Path) -> None:
 
 
 def test_corrupt_database_is_clear(tmp_path: Path) -> None:
-    """A database whose CURRENT/MANIFEST is garbage raises StoreOpenError, not a crash."""
+    """A database whose CURRENT names a missing MANIFEST raises StoreCorruptError naming it, not a crash."""
     store = RocksDBStore(tmp_path / "db")
     store.put(torch.tensor([1]), torch.zeros(1, 4, dtype=torch.uint8))
     store.close()
     (tmp_path / "db" / "CURRENT").write_text("MANIFEST-999999\n")
-    with pytest.raises(StoreOpenError, match="cannot open RocksDB store"):
+    with pytest.raises(StoreCorruptError, match="MANIFEST-999999"):
         RocksDBStore(tmp_path / "db")
 
 
