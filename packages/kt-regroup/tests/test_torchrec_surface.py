@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 from torch import nn
+from torch.fx._symbolic_trace import PH  # torch.fx.PH
 
 from kt_regroup import KeyedTensor, KTRegroupAsDict, regroup, regroup_as_dict
 
@@ -128,3 +129,30 @@ def test_fx_symbolic_trace_of_a_module_using_keyed_tensors(warm: bool) -> None:
     # New batch size, same layout: the graph is not specialised to the traced inputs' shapes.
     wide = (torch.randn(7, 5, generator=gen), torch.randn(7, 4, generator=gen))
     torch.testing.assert_close(traced(*wide), model(*wide))
+
+
+class _TakesKeyedTensors(nn.Module):
+    """A module whose inputs are KeyedTensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.regroup = KTRegroupAsDict([["c", "a"], ["b"]], ["x", "y"])
+
+    def forward(self, first: KeyedTensor, second: KeyedTensor) -> torch.Tensor:
+        out: dict[str, torch.Tensor] = self.regroup([first, second])
+        return out["x"].sum(1) + out["y"].mean(1)
+
+
+_PH: Any = PH  # fx's placeholder (typed Any: it stands where a tensor goes)
+
+
+def test_fx_symbolic_trace_with_keyed_tensor_inputs() -> None:
+    """KeyedTensor inputs trace with concrete_args templates whose values are torch.fx.PH (a pytree node)."""
+    model = _TakesKeyedTensors()
+    template = {
+        "first": KeyedTensor(["a", "b"], [2, 3], _PH),
+        "second": KeyedTensor(["c"], [4], _PH),
+    }
+    traced = torch.fx.symbolic_trace(model, concrete_args=template)
+    first, second = _kts()
+    torch.testing.assert_close(traced(first, second), model(first, second))

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.fx._symbolic_trace import PH  # torch.fx.PH (fx's __init__ does not list it in __all__)
 
 from kt_regroup._regroup import regroup, regroup_as_dict
 from kt_regroup._spec import as_lengths
@@ -71,9 +72,11 @@ class KeyedTensor:
         lengths_t = as_lengths(length_per_key, "`length_per_key`")
         if key_dim not in (0, 1):
             raise LayoutMismatchError(f"`key_dim` is {key_dim!r}; expected 0 or 1")
-        # Under torch.fx.symbolic_trace the values are a Proxy (no shape or dtype yet): keys and lengths are
-        # still checked here, the values when the traced graph runs regroup.
-        traced = isinstance(values, torch.fx.Proxy)
+        # Under torch.fx.symbolic_trace the values are a Proxy (no shape or dtype yet), or torch.fx.PH in a
+        # KeyedTensor given as a concrete_args template: keys and lengths are still checked here, the values
+        # when the traced graph runs regroup.
+        given: object = values
+        traced = isinstance(given, torch.fx.Proxy) or given is PH
         if not traced and (not isinstance(values, torch.Tensor) or values.dim() != 2):
             shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
             raise LayoutMismatchError(f"`values` must be a 2-D tensor; got {shape}")
