@@ -45,6 +45,18 @@ def weighted_bce(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tenso
     return (F.binary_cross_entropy_with_logits(logits, labels, reduction="none") * weight).sum()
 
 
+class _Shared(nn.Module):
+    """Calls ``inner``: a per-bucket module over shared parameters, for ``make_graphed_callables``."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(*args)
+        return out
+
+
 class DenseGraphs:
     """Graphed ``bottom`` and ``head`` callables of one model, one pair per padded batch size.
 
@@ -80,8 +92,10 @@ class DenseGraphs:
             grouped = torch.randn(size, grouped_width, device=device, requires_grad=True)
             labels = torch.randint(0, 2, (size,), device=device).float()
             weight = torch.full((size,), 1.0 / size, device=device)
-            self._bottom[size] = torch.cuda.make_graphed_callables(bottom, (dense_in,))  # type: ignore[assignment]  # returns the module's graphed twin
-            self._head[size] = torch.cuda.make_graphed_callables(head, (grouped, labels, weight))  # type: ignore[assignment]  # as above
+            # make_graphed_callables replaces the forward of the module it is given: one thin module per bucket
+            # (sharing the real module's parameters) keeps every bucket's graphs.
+            self._bottom[size] = torch.cuda.make_graphed_callables(_Shared(bottom), (dense_in,))  # type: ignore[assignment]  # returns the module's graphed twin
+            self._head[size] = torch.cuda.make_graphed_callables(_Shared(head), (grouped, labels, weight))  # type: ignore[assignment]  # as above
         for p in params:  # the captures' warm-up iterations accumulated into .grad
             p.grad = None
 

@@ -130,7 +130,10 @@ class TrainResult:
 
 def _device(config: TrainConfig) -> torch.device:
     if config.device != "auto":
-        return torch.device(config.device)
+        device = torch.device(config.device)
+        if device.type == "cuda" and device.index is None:  # "cuda": this process's local rank
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
