@@ -349,6 +349,29 @@ def test_prefetched_forward_reuses_slots_and_counts_hits() -> None:
     module.close()
 
 
+def test_prefetch_is_reused_for_a_view_of_the_same_ids() -> None:
+    """A sharded module slices its ids again and rebuilds the offsets for forward: the prefetch still counts
+    (same memory, same sizes) and the results stay exact; an in-place change of the ids voids it."""
+    batches = make_batches(6, vbe=True)
+    module = make_module("cpu", on_device=True, cache_rows=3, host_cache_rows=4)
+    reference = Reference("rowwise_adagrad", "sum", False)
+    for step, b in enumerate(batches):
+        values = torch.cat([b.indices, torch.tensor([123])])  # the "all features" buffer
+        module.prefetch(values[: b.indices.numel()], b.offsets.clone(), b.sizes)
+        out = module(values[: b.indices.numel()], b.offsets.clone(), b.psw, b.sizes)
+        want, _ = reference.step(b, 1000 + step)
+        torch.testing.assert_close(out.detach(), want, atol=1e-5, rtol=1e-5)
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1000 + step))
+        torch.autograd.backward((out * probe).sum())
+    assert module.metrics()["forwards_without_prefetch"] == 0
+    ids = batches[0].indices.clone()
+    module.prefetch(ids, batches[0].offsets, batches[0].sizes)
+    ids.add_(1)
+    module(ids, batches[0].offsets, None, batches[0].sizes)
+    assert module.metrics()["forwards_without_prefetch"] == 1
+    module.close()
+
+
 class FailingStore(MemoryStore):
     """A memory store whose next ``failures`` reads raise ``StoreIOError``."""
 

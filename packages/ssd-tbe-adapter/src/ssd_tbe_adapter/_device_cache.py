@@ -251,10 +251,10 @@ class DeviceCache:
         non_blocking = self.device.type == "cuda"
         self.weights.index_copy_(0, slots, fetched.weights.to(self.device, non_blocking=non_blocking))
         self.state.index_copy_(0, slots, fetched.state.to(self.device, non_blocking=non_blocking))
-        self.dirty.index_copy_(0, slots, fetched.dirty.to(self.device, non_blocking=non_blocking))
+        self.dirty.index_put_((slots,), fetched.dirty.to(self.device))
         self.slot_ids.index_copy_(0, slots, ids)
         self.slot_tables.index_copy_(0, slots, tables)
-        self.valid.index_fill_(0, slots, True)
+        self.valid.index_put_((slots,), torch.ones((), dtype=torch.bool, device=self.device))
         self.stamp.index_fill_(0, slots, tick)
         self._rebuild_index()
         count = ids.numel()
@@ -285,7 +285,7 @@ class DeviceCache:
         if self.round_fp16:
             rounded = self.weights.index_select(0, slots).half().float()
             self.weights.index_copy_(0, slots, rounded)
-        self.dirty.index_fill_(0, slots, True)
+        self.dirty.index_put_((slots,), torch.ones((), dtype=torch.bool, device=self.device))
 
     def rows_to_host(self, slots: torch.Tensor) -> TierRows:
         """The rows in ``slots`` (``[K]`` device int64) copied to the host."""
@@ -306,7 +306,7 @@ class DeviceCache:
         dirty = self.dirty.nonzero().flatten()
         if dirty.numel():
             self.lower.persist(self.rows_to_host(dirty))
-            self.dirty.index_fill_(0, dirty, False)
+            self.dirty.index_put_((dirty,), torch.zeros((), dtype=torch.bool, device=self.device))
             self.metrics.written_back_rows += int(dirty.numel())
         self.lower.flush()
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
 import torch
@@ -50,6 +50,7 @@ class _Batch:
     inverse: torch.Tensor  # [N] int64: position of each lookup's slot in unique_slots
     bag_of_lookup: torch.Tensor  # [N] int64
     tick: int
+    version: int  # indices._version at prefetch: an in-place change of the ids voids the prefetch
 
 
 class DevicePath:
@@ -130,7 +131,7 @@ class DevicePath:
     ) -> torch.Tensor:
         """The pooled lookup (see :meth:`KeyValueEmbeddingBags.forward`)."""
         pending = self._pending[0] if self._pending else None
-        reuse = isinstance(pending, _Batch) and pending.indices is indices and pending.offsets is offsets
+        reuse = isinstance(pending, _Batch) and _same_batch(pending, indices, offsets)
         host_offsets = cast(_Batch, pending).host_offsets if reuse else None
         plan, _ = self._plan(
             indices, offsets, per_sample_weights, batch_sizes, vbe_output, vbe_output_offsets, host_offsets
@@ -144,6 +145,10 @@ class DevicePath:
         self.counters["forwards"] += 1
         if reuse:
             batch = cast(_Batch, pending)
+            if batch.offsets is not offsets:  # same ids, offsets rebuilt by the caller: bag each lookup anew
+                batch = replace(
+                    batch, offsets=offsets, bag_of_lookup=_bag_of_lookup(offsets, indices.numel())
+                )
             self.counters["forward_lookups"] += batch.unique_slots.numel()
             self.counters["forward_hits"] += batch.unique_slots.numel()
         else:
@@ -254,12 +259,7 @@ class DevicePath:
     def _assign(self, plan: Plan, indices: torch.Tensor, offsets: torch.Tensor, moved: str) -> _Batch:
         """Step 2: slots for every lookup of the batch (rows moved in on the current stream)."""
         self._wait_main()
-        offsets_device = offsets.to(torch.int64)
-        n = indices.numel()
-        lengths = offsets_device[1:] - offsets_device[:-1]
-        bag_of_lookup = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=self._device), lengths, output_size=n
-        )
+        bag_of_lookup = _bag_of_lookup(offsets, indices.numel())
         tables = self._table_of_bags(plan).index_select(0, bag_of_lookup)
         self._tick += 1
         tick = self._tick
@@ -286,6 +286,7 @@ class DevicePath:
             inverse=inverse,
             bag_of_lookup=bag_of_lookup,
             tick=tick,
+            version=indices._version,
         )
 
     def release(self, batch: _Batch) -> None:
@@ -385,6 +386,34 @@ class DevicePath:
     def feature_dims(self) -> list[int]:
         """Per feature, its ``D``."""
         return self._feature_dims
+
+
+def _bag_of_lookup(offsets: torch.Tensor, lookups: int) -> torch.Tensor:
+    """``[lookups]`` int64 on the device of ``offsets``: the bag of each lookup (no sync)."""
+    offsets = offsets.to(torch.int64)
+    lengths = offsets[1:] - offsets[:-1]
+    bags = torch.arange(lengths.numel(), device=offsets.device)
+    return torch.repeat_interleave(bags, lengths, output_size=lookups)
+
+
+def _same_batch(batch: _Batch, indices: torch.Tensor, offsets: torch.Tensor) -> bool:
+    """Whether ``forward(indices, offsets)`` is the batch ``batch`` was prefetched for, without a sync: the
+    same tensors, or ``indices`` over the very same memory (the prefetch holds it alive, so no other batch
+    can be there; the version counter rules out in-place changes) and ``offsets`` of the same length (a
+    sharded module slices its ids again and rebuilds the offsets for each call)."""
+    mine = batch.indices
+    if indices._version != batch.version:
+        return False
+    if mine is indices and batch.offsets is offsets:
+        return True
+    return (
+        mine.numel() == indices.numel()
+        and mine.dtype == indices.dtype
+        and mine.device == indices.device
+        and mine.data_ptr() == indices.data_ptr()
+        and mine.stride() == indices.stride()
+        and batch.offsets.numel() == offsets.numel()
+    )
 
 
 class _SlotBagFunction(torch.autograd.Function):
