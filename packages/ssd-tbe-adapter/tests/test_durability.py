@@ -11,8 +11,10 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,8 +26,11 @@ from ssd_tbe_adapter import (
     KVStore,
     MemoryStore,
     RocksDBStore,
+    RowsNotRestoredWarning,
+    SchemaMismatchError,
     SSDTBEAdapterError,
     StoreCorruptError,
+    StoreIOError,
     TableChunk,
     TableSpec,
 )
@@ -520,3 +525,166 @@ def test_full_tmpfs_real_rocksdb_recovers_once_space_is_freed(tmp_path: Path) ->
     )
     assert child.returncode == 0, child.stderr
     assert child.stdout.split() == ["RECOVERED"], child.stderr
+
+
+# ---------------------------------------------------------------------------- 6: schema record
+
+
+@pytest.mark.parametrize(
+    ("tables", "options", "message"),
+    [
+        ([TableSpec("b", 3), TableSpec("a", 4)], {}, r"table 0 is `a` \(dim 4\) there, `b` \(dim 3\) here"),
+        ([TableSpec("a", 8), TableSpec("b", 3)], {}, r"table 0 is `a` \(dim 4\) there, `a` \(dim 8\) here"),
+        ([TableSpec("a", 4)], {}, "2 tables there, 1 here"),
+        (TABLES, {"weights_precision": "fp16"}, "`weights_precision` = 'fp32', this module has 'fp16'"),
+        (TABLES, {"optimizer": "sgd"}, "`optimizer` = 'rowwise_adagrad', this module has 'sgd'"),
+        (TABLES, {"seed": 7}, "`seed` = 0, this module has 7"),
+    ],
+    ids=["reordered", "dim", "fewer-tables", "precision", "optimizer", "seed"],
+)
+def test_store_schema_record_refuses_another_configuration(
+    tmp_path: Path, tables: list[TableSpec], options: dict[str, Any], message: str
+) -> None:
+    """A store reopened by a differently configured module (tables reordered, another dim, precision,
+    optimizer or seed) raises SchemaMismatchError naming the difference instead of reading rows as garbage."""
+    module = rocksdb_module(tmp_path / "db")
+    module.restore(chunks_with(1.0, 10))
+    module.close()
+    with RocksDBStore(tmp_path / "db") as store:
+        with pytest.raises(SchemaMismatchError, match=message) as info:
+            KeyValueEmbeddingBags(
+                tables, None, store, cache_rows=4, **{"optimizer": "rowwise_adagrad", **options}
+            )
+        assert str(tmp_path / "db") in str(info.value)
+        assert isinstance(info.value, ValueError)
+        reopened = make_module(store)  # the same configuration opens and reads the rows
+        assert rows_of(reopened) == expected_rows(1.0, 10)
+
+
+def test_schema_mismatch_fp32_d8_as_fp16_d16(tmp_path: Path) -> None:
+    """The issue's case: an fp32 D=8 store (32-byte records) opened as fp16 D=16 (also 32 bytes) is refused."""
+    store = MemoryStore()
+    KeyValueEmbeddingBags([TableSpec("t", 8)], None, store, cache_rows=2).restore(
+        [
+            TableChunk(
+                table="t", ids=torch.arange(3), weights=torch.ones(3, 8), optimizer_state=torch.zeros(3, 0)
+            )
+        ]
+    )
+    with pytest.raises(SchemaMismatchError, match="table 0 is `t` \\(dim 8\\) there, `t` \\(dim 16\\) here"):
+        KeyValueEmbeddingBags([TableSpec("t", 16)], None, store, cache_rows=2, weights_precision="fp16")
+
+
+# ---------------------------------------------------------------------------- 11: load_state_dict
+
+
+def test_load_state_dict_onto_another_store_warns_that_no_row_moved(tmp_path: Path) -> None:
+    """load_state_dict onto a module over a fresh store warns (RowsNotRestoredWarning) that the rows were not
+    restored and names load_checkpoint; onto the same store it is silent."""
+    source = rocksdb_module(tmp_path / "db")
+    source.restore(chunks_with(1.0, 10))
+    state = source.state_dict()
+    fresh = make_module()
+    with pytest.warns(RowsNotRestoredWarning, match="holds no row.*load_checkpoint"):
+        fresh.load_state_dict(state)
+    other = make_module()
+    other.restore(chunks_with(2.0, 3))
+    with pytest.warns(RowsNotRestoredWarning, match="not the store the state dict came from"):
+        other.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        source.load_state_dict(state)
+    source.close()
+
+
+# ---------------------------------------------------------------------------- 7, 8, 9: prefetch
+
+
+def sgd_module(store: KVStore | None = None, cache_rows: int = 64) -> KeyValueEmbeddingBags:
+    return KeyValueEmbeddingBags(
+        [TableSpec("t", 2)],
+        None,
+        MemoryStore() if store is None else store,
+        cache_rows=cache_rows,
+        optimizer="sgd",
+        learning_rate=1.0,
+        init_range=(0.0, 0.0),
+    )
+
+
+def test_prefetch_then_indices_changed_in_place_updates_the_ids_forward_used() -> None:
+    """prefetch(idx), then idx changed in place, then forward(idx): the update lands on the ids forward looked
+    up (the prefetch is matched by content and version, not by tensor identity)."""
+    module = sgd_module()
+    indices = torch.tensor([1, 2, 3, 4])
+    offsets = torch.tensor([0, 4])
+    module.prefetch(indices, offsets)
+    indices.copy_(torch.tensor([10, 11, 12, 13]))
+    module(indices, offsets).sum().backward()
+    rows = {
+        i: w.tolist() for c in module.checkpoint() for i, w in zip(c.ids.tolist(), c.weights, strict=True)
+    }
+    assert {i for i, w in rows.items() if w != [0.0, 0.0]} == {10, 11, 12, 13}
+    assert module.metrics()["forwards_without_prefetch"] == 1
+    same = torch.tensor([5, 6])
+    module.prefetch(same, torch.tensor([0, 2]))
+    module(same.clone(), torch.tensor([0, 2])).sum().backward()  # equal content, other tensors: matched
+    assert module.metrics()["forwards_without_prefetch"] == 1
+
+
+def test_skipped_prefetch_does_not_desync_the_queue() -> None:
+    """Prefetching one batch ahead with one prefetch skipped and one stale prefetch never consumed: every other
+    forward still uses its own prefetch (the queue re-aligns), and every update lands exactly once."""
+    module = sgd_module(cache_rows=32)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 40, (8,), generator=gen) for _ in range(30)]
+    offsets = torch.tensor([0, 8])
+    expected = torch.zeros(40)
+    module.prefetch(batches[0], offsets)
+    for step, indices in enumerate(batches):
+        if step + 1 < len(batches) and step != 5:  # batch 6 is never prefetched
+            module.prefetch(batches[step + 1], offsets)
+        if step == 12:
+            module.prefetch(torch.tensor([99, 98]), torch.tensor([0, 2]))  # a batch that never comes
+        module(indices, offsets).sum().backward()
+        expected -= torch.bincount(indices, minlength=40).float()
+    metrics = module.metrics()
+    assert metrics["forwards_without_prefetch"] == 1
+    assert metrics["forward_hit_rate"] > 0.95
+    rows = {
+        i: float(w[0]) for c in module.checkpoint() for i, w in zip(c.ids.tolist(), c.weights, strict=True)
+    }
+    assert [rows.get(i, 0.0) for i in range(40)] == expected.tolist()
+
+
+class FlakyStore(MemoryStore):
+    """A MemoryStore whose reads fail while ``broken`` is set."""
+
+    broken = False
+
+    def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
+        if self.broken:
+            raise StoreIOError("read failed (injected)")
+        return super().get(ids, out, table=table)
+
+
+def test_flush_and_close_work_after_a_failed_prefetch() -> None:
+    """A prefetch whose store read failed: wait_prefetch raises its error once, the forward of that batch
+    reads its rows itself once the store works, and flush and close work (no row lost)."""
+    store = FlakyStore()
+    module = sgd_module(store, cache_rows=4)
+    module(torch.arange(8), torch.tensor([0, 8])).sum().backward()  # dirty rows, some written back
+    store.broken = True
+    module.prefetch(torch.arange(20, 28), torch.tensor([0, 8]))
+    with pytest.raises(StoreIOError, match="injected"):
+        module.wait_prefetch()
+    module.wait_prefetch()  # raised once
+    module.prefetch(torch.arange(30, 38), torch.tensor([0, 8]))
+    store.broken = False
+    module.flush()  # drops the failed prefetch, flushes every dirty row
+    module(torch.arange(30, 38), torch.tensor([0, 8])).sum().backward()
+    rows = {
+        i: float(w[0]) for c in module.checkpoint() for i, w in zip(c.ids.tolist(), c.weights, strict=True)
+    }
+    assert rows == dict.fromkeys([*range(8), *range(30, 38)], -1.0)
+    module.close()

@@ -245,7 +245,7 @@ class KeyValueEmbeddingBags(nn.Module):
             vbe_output_offsets,
             **self._layout_args(),
         )
-        groups = self._prefetcher.take(indices)
+        groups = self._prefetcher.take(indices, offsets, plan, indices_cpu)
         self._tier.metrics.forwards += 1
         if groups is None:
             self._tier.metrics.forwards_without_prefetch += 1
@@ -269,10 +269,12 @@ class KeyValueEmbeddingBags(nn.Module):
     ) -> None:
         """Bring the rows of a future batch into the cache on a background thread.
 
-        The next :meth:`forward` without a consumed prefetch waits for the oldest pending prefetch (FIFO,
-        one per forward) and reuses its id grouping when it gets the same ``indices`` tensor. Store reads
-        run on the background thread; on CUDA the row copies run on the stream current at this call (the
-        pipeline's prefetch stream) and forward's stream waits for them.
+        A later :meth:`forward` of the same batch (the same tensors unchanged, or equal ids, offsets and bag
+        counts: matched by content, so ``indices`` changed in place after this call is not mistaken for the
+        prefetched batch) waits for this prefetch and reuses its id grouping; prefetches queued before the
+        matched one are dropped, and a forward matching none leaves the queue as it is. Store reads run on the
+        background thread; on CUDA the row copies run on the stream current at this call (the pipeline's
+        prefetch stream) and forward's stream waits for them.
 
         Args:
             indices: ``[N]`` ids on :attr:`device`.
@@ -290,14 +292,14 @@ class KeyValueEmbeddingBags(nn.Module):
             indices, offsets, None, batch_size_per_feature_per_rank, None, None, **self._layout_args()
         )
         stream = torch.cuda.current_stream(self._device) if self._cuda else None
-        self._prefetcher.submit(plan, indices, indices_cpu, stream, self.read_threads)
+        self._prefetcher.submit(plan, indices, offsets, indices_cpu, stream, self.read_threads)
         self._tier.metrics.prefetches += 1
 
     def wait_prefetch(self) -> None:
         """Block until every pending prefetch has finished its store reads and cache inserts.
 
-        The prefetches stay queued: the next forwards still consume them in order. Raises what a failed
-        prefetch raised (for example a store error).
+        The prefetches stay queued: later forwards still consume them. A failed prefetch is dropped and its
+        error (for example a store error) raised, once: the next call, ``flush()`` and ``close()`` work.
         """
         if self._device_path is not None:
             self._device_path.wait()
@@ -306,10 +308,17 @@ class KeyValueEmbeddingBags(nn.Module):
     def flush(self) -> None:
         """Write every dirty cached row to the store and make the store durable (``store.flush()``).
 
-        Waits for pending prefetches first (they are still consumed by later forwards).
+        Waits for pending prefetches first (they are still consumed by later forwards); a failed prefetch is
+        dropped without raising here (it lost no row; its forward reads the rows itself), so a flush after a
+        store error works as soon as the store does.
+
+        Raises:
+            DiskFullError: no space left for the store; every dirty row stays cached (retry once freed).
         """
         self._check_open()
-        self.wait_prefetch()
+        if self._device_path is not None:
+            self._device_path.wait()
+        self._prefetcher.wait(raise_failed=False)
         if self._device_path is not None:
             self._device_path.flush()
         with self._tier.lock:

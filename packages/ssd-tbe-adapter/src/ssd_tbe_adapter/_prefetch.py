@@ -4,6 +4,13 @@ One job thread runs the jobs in order; each job's store reads run on a small poo
 per table, so they overlap the job's inserts. The read is the only work done without the tier's lock, and it
 may race with a write-back of the same id (an eviction by the training thread), so each job remembers the
 store write epoch before reading and, when writes happened meanwhile, re-reads the ids that were written.
+
+Matching a forward to its prefetch: by content, never by tensor identity alone. A job keeps its own copy of
+the batch's host ids and offsets (so changing ``indices`` in place after ``prefetch`` changes neither the job
+nor what it is compared with); a forward uses the first pending job whose batch is its batch: the same
+tensors with unchanged version counters, or equal ids, offsets and bag counts. Jobs queued before the match
+were skipped (their batches never came) and are retired; a forward that matches no job leaves the queue as it
+is, so one forward without a prefetch does not shift every later forward onto the wrong job.
 """
 
 from __future__ import annotations
@@ -22,11 +29,44 @@ from ssd_tbe_adapter._tier import CacheTier
 __all__ = ["Prefetcher"]
 
 
+# Pending jobs beyond this many (prefetches no forward matched) are retired, oldest first, so that rows they
+# protect from eviction do not pile up.
+_MAX_PENDING = 16
+
+
 @dataclass(slots=True)
 class _Pending:
-    indices: torch.Tensor
+    indices: torch.Tensor  # the tensor prefetch was called with
+    offsets: torch.Tensor
+    versions: tuple[int, int]  # their version counters at prefetch time
+    indices_cpu: torch.Tensor  # the job's own copy of the batch (host int64)
+    offsets_cpu: torch.Tensor
+    num_bags: list[int]
     future: Future[dict[int, TableGroup]]
     job: int  # sequence number of the prefetch job
+
+    def matches(
+        self, indices: torch.Tensor, offsets: torch.Tensor, plan: Plan, indices_cpu: torch.Tensor
+    ) -> bool:
+        """Whether a forward of ``plan`` over ``indices``/``offsets`` is this job's batch."""
+        if self.num_bags != plan.num_bags:
+            return False
+        if (
+            self.indices is indices
+            and self.offsets is offsets
+            and self.versions == _versions(indices, offsets)
+        ):
+            return True
+        return torch.equal(self.indices_cpu, indices_cpu) and torch.equal(self.offsets_cpu, plan.offsets)
+
+
+def _versions(indices: torch.Tensor, offsets: torch.Tensor) -> tuple[int, int]:
+    return indices._version, offsets._version
+
+
+def _own_copy(host: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """``host`` (a host int64 view of ``given``), copied when it shares ``given``'s memory."""
+    return host.clone() if host.data_ptr() == given.data_ptr() else host
 
 
 class Prefetcher:
@@ -48,32 +88,72 @@ class Prefetcher:
         self._readers: ThreadPoolExecutor | None = None
 
     def submit(
-        self, plan: Plan, indices: torch.Tensor, indices_cpu: torch.Tensor, stream: Any, read_threads: int
+        self,
+        plan: Plan,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        indices_cpu: torch.Tensor,
+        stream: Any,
+        read_threads: int,
     ) -> None:
-        """Queue a job for the batch of ``plan`` (``indices`` is what forward will be called with).
+        """Queue a job for the batch of ``plan`` (``indices``/``offsets``: what prefetch was called with).
 
         The threads start at the first job; ``read_threads`` sizes the reader pool then.
         """
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
             self._readers = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="kv-read")
+        indices_cpu = _own_copy(indices_cpu, indices)
+        plan.offsets = _own_copy(plan.offsets, offsets)
         job = self._jobs
         self._jobs += 1
         future = self._executor.submit(self._run, plan, indices_cpu, stream, job)
-        self._pending.append(_Pending(indices=indices, future=future, job=job))
+        self._pending.append(
+            _Pending(
+                indices=indices,
+                offsets=offsets,
+                versions=_versions(indices, offsets),
+                indices_cpu=indices_cpu,
+                offsets_cpu=plan.offsets,
+                num_bags=list(plan.num_bags),
+                future=future,
+                job=job,
+            )
+        )
+        while len(self._pending) > _MAX_PENDING:
+            self._retire(self._pending.popleft())
 
-    def wait(self) -> None:
-        """Block until every pending job has finished (they stay queued); raises what a failed job raised."""
-        for pending in list(self._pending):
-            pending.future.result()
+    def wait(self, *, raise_failed: bool = True) -> None:
+        """Block until every pending job has finished; they stay queued, except failed ones, which are dropped
+        (a failed job cached nothing it did not finish, and lost no row). Raises the first failed job's error
+        once when ``raise_failed``."""
+        failed = [pending for pending in list(self._pending) if pending.future.exception() is not None]
+        for pending in failed:
+            self._pending.remove(pending)
+            self._retire(pending)
+        if failed and raise_failed:
+            failed[0].future.result()  # raises its error
 
-    def take(self, indices: torch.Tensor) -> dict[int, TableGroup] | None:
-        """Wait for the oldest pending prefetch; its grouping if it was for this very ``indices`` tensor."""
+    def take(
+        self, indices: torch.Tensor, offsets: torch.Tensor, plan: Plan, indices_cpu: torch.Tensor
+    ) -> dict[int, TableGroup] | None:
+        """The grouping of the pending prefetch of this forward's batch (see the module docstring), waiting
+        for it; ``None`` when no pending prefetch is of this batch. Raises what that prefetch raised (once)."""
         tier = self._tier
-        if not self._pending:
+        match = next(
+            (
+                position
+                for position, pending in enumerate(self._pending)
+                if pending.matches(indices, offsets, plan, indices_cpu)
+            ),
+            None,
+        )
+        if match is None:
             with tier.lock:
                 tier.batch_tick = tier.tick + 1  # this forward's own ticks
             return None
+        for _ in range(match):  # prefetched batches that never came
+            self._retire(self._pending.popleft())
         pending = self._pending.popleft()
         try:
             groups = pending.future.result()
@@ -81,7 +161,14 @@ class Prefetcher:
             with tier.lock:
                 job_tick = tier.job_ticks.pop(pending.job, None)
                 tier.batch_tick = tier.tick + 1 if job_tick is None else job_tick
-        return groups if pending.indices is indices else None
+        return groups
+
+    def _retire(self, pending: _Pending) -> None:
+        """Forget a job no forward will use: wait for it (its error does not matter to anyone), then drop the
+        tick that protects its rows from eviction."""
+        wait([pending.future])
+        with self._tier.lock:
+            self._tier.job_ticks.pop(pending.job, None)
 
     def close(self) -> None:
         """Forget the pending jobs and stop the threads (after the running job)."""
