@@ -81,6 +81,14 @@ class VBEFeatures:
     def __delattr__(self, name: str) -> NoReturn:
         raise AttributeError(f"VBEFeatures is immutable; cannot delete `{name}`")
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Immutable slots cannot be restored by pickle's setattr: rebuild through the constructor (and its
+        # checks), so batches cross process boundaries (DataLoader workers, multiprocessing).
+        return (
+            _rebuild_vbe_features,
+            (self._keys, self._values, self._lengths, self._stride, self._weights, self._length_per_key),
+        )
+
     def __repr__(self) -> str:
         return (
             f"VBEFeatures(keys={list(self._keys)}, values={tuple(self._values.shape)} {self._values.dtype}, "
@@ -169,6 +177,18 @@ class VBEFeatures:
             features.weights_or_none(),
             length_per_key=length_per_key,
         )
+
+
+def _rebuild_vbe_features(
+    keys: tuple[str, ...],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    stride: tuple[tuple[int, ...], ...],
+    weights: torch.Tensor | None,
+    length_per_key: tuple[int, ...] | None,
+) -> VBEFeatures:
+    """Unpickle a :class:`VBEFeatures` (see its ``__reduce__``)."""
+    return VBEFeatures(keys, values, lengths, stride, weights, length_per_key=length_per_key)
 
 
 def _check(
