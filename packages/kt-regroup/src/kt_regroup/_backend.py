@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 
+from kt_regroup import _env
 from kt_regroup._fbgemm import fbgemm_available
 from kt_regroup._plan import TRITON_MAX_TENSORS
 from kt_regroup.errors import BackendUnavailableError, UnknownBackendError
@@ -15,7 +15,7 @@ from kt_regroup.errors import BackendUnavailableError, UnknownBackendError
 __all__ = ["BACKENDS", "ENV_VAR", "available_backends", "resolve_backend"]
 
 BACKENDS = ("auto", "fbgemm", "torch", "triton")
-ENV_VAR = "KT_REGROUP_BACKEND"
+ENV_VAR = _env.BACKEND.name
 _FBGEMM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -90,7 +90,7 @@ def resolve_backend(
         BackendUnavailableError: ``backend`` names a backend that cannot run on ``device`` here.
     """
     _check_name(backend, "`backend`")
-    forced = os.environ.get(ENV_VAR, "").strip()
+    forced = _env.BACKEND.get()
     if forced:
         _check_name(forced, f"environment variable `{ENV_VAR}`")
         if forced != "auto":

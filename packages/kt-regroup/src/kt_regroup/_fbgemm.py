@@ -1,59 +1,113 @@
-"""The one place ``kt_regroup`` imports fbgemm-gpu: ABI check, one warning, availability flag.
+"""The one place ``kt_regroup`` imports fbgemm-gpu: the pairing check, one warning, an availability flag.
 
-fbgemm-gpu is ABI-locked to one torch release (1.6 <-> 2.11, 1.7 <-> 2.12, 1.8 <-> 2.13, 1.9 <-> 2.14);
-a mismatched pair can fail at import or crash later, so a known mismatch counts as "not available".
+fbgemm-gpu is ABI-locked to one torch release (see ``TORCH_FOR_FBGEMM``); a mismatched pair can fail at
+import or crash the process, so the installed release is checked against torch *before* the import and a
+known mismatch is never imported. ``KT_REGROUP_DISABLE_FBGEMM=1`` skips fbgemm altogether. When fbgemm is
+unavailable the ``fbgemm`` backend is, and ``"auto"`` uses the Triton or torch kernels (same results).
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from importlib import metadata
+from typing import Any
 
 import torch
 
-__all__ = ["fbgemm_available", "fbgemm_status", "permute_multi_embedding", "permute_multi_embedding_function"]
+from kt_regroup import _env
 
-_TORCH_FOR_FBGEMM = {(1, 6): (2, 11), (1, 7): (2, 12), (1, 8): (2, 13), (1, 9): (2, 14)}
+__all__ = [
+    "TORCH_FOR_FBGEMM",
+    "fbgemm_available",
+    "fbgemm_status",
+    "permute_multi_embedding",
+    "permute_multi_embedding_function",
+]
+
+_FALLBACK = "the fbgemm backend is unavailable, kt_regroup uses its own kernels"
 
 
-def _major_minor(version: str) -> tuple[int, int]:
-    parts = version.split("+")[0].split(".")
-    return int(parts[0]), int(parts[1])
+def _import() -> Any:
+    """Import fbgemm-gpu and resolve the ops this package calls (raises when they do not load)."""
+    import fbgemm_gpu
+
+    torch.ops.fbgemm.permute_multi_embedding_function  # noqa: B018 - resolves the op or raises
+    return fbgemm_gpu
 
 
-@functools.lru_cache(maxsize=1)
-def fbgemm_status() -> tuple[bool, str]:
-    """``(available, reason)``; warns once (at the first call) when fbgemm is installed but unusable."""
+# ---- the loader: the same code in every recsys-blocks package that uses fbgemm (only `_import` differs) ----
+
+# fbgemm-gpu release (major.minor) -> the torch release (major.minor) it is built against.
+TORCH_FOR_FBGEMM: dict[str, str] = {"1.6": "2.11", "1.7": "2.12", "1.8": "2.13", "1.9": "2.14"}
+# The distributions that provide the ``fbgemm_gpu`` module (CUDA, CPU, nightlies).
+DISTRIBUTIONS = ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu")
+
+
+def _minor(version: str) -> str:
+    """``"2.13.0+cpu"`` -> ``"2.13"``."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def _version_or_none(dist: str) -> str | None:
     try:
-        from importlib.metadata import PackageNotFoundError, version
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
+
+def _installed_version() -> str | None:
+    """The version of the installed fbgemm-gpu distribution (read from its metadata: nothing is imported)."""
+    versions = [v for v in map(_version_or_none, DISTRIBUTIONS) if v is not None]
+    return versions[0] if versions else None
+
+
+def _precheck(installed: str | None, torch_version: str, disabled: bool) -> str | None:
+    """Why fbgemm must not be imported (checked before any import), or ``None`` when the import may be tried."""
+    if disabled:
+        return f"disabled by {_env.DISABLE_FBGEMM.name}=1"
+    if installed is None:
+        return "fbgemm-gpu is not installed"
+    wanted = TORCH_FOR_FBGEMM.get(_minor(installed))
+    if wanted is not None and wanted != _minor(torch_version):
+        return (
+            f"fbgemm-gpu {installed} is built for torch {wanted}, this is torch {torch_version}: not imported"
+        )
+    return None
+
+
+@functools.cache
+def _load() -> tuple[Any, str]:
+    """``(what this package needs from fbgemm, or None; one status line)``, computed once.
+
+    Steps: the switch, the installed distribution, its torch pairing (all before any import, since a
+    mismatched pair can crash at import), then the import. An installed but unusable fbgemm warns once
+    (``RuntimeWarning``); a disabled or absent one does not (the extra is optional).
+    """
+    installed = _installed_version()
+    disabled = _env.DISABLE_FBGEMM.get() == "1"
+    why_not = _precheck(installed, torch.__version__, disabled)
+    if why_not is None:
         try:
-            fbgemm_version = version("fbgemm-gpu")
-        except PackageNotFoundError:
-            fbgemm_version = version("fbgemm-gpu-cpu")
-    except Exception:  # not installed at all (or metadata unreadable): say so quietly
-        return False, "fbgemm-gpu is not installed"
-    try:
-        expected = _TORCH_FOR_FBGEMM.get(_major_minor(fbgemm_version))
-        have = _major_minor(torch.__version__)
-        if expected is not None and expected != have:
-            raise ImportError(
-                f"fbgemm-gpu {fbgemm_version} is built for torch {expected[0]}.{expected[1]}, "
-                f"not torch {torch.__version__}"
-            )
-        import fbgemm_gpu  # noqa: F401
-
-        torch.ops.fbgemm.permute_multi_embedding_function  # noqa: B018 - resolves the op or raises
-    except (ImportError, OSError, RuntimeError, AttributeError) as exc:
-        reason = f"fbgemm-gpu is installed but unusable ({exc}); kt_regroup uses its own kernels"
-        warnings.warn(reason, RuntimeWarning, stacklevel=2)
-        return False, reason
-    return True, f"fbgemm-gpu {fbgemm_version}"
+            return _import(), f"fbgemm-gpu {installed} with torch {torch.__version__}"
+        except (ImportError, OSError, RuntimeError, AttributeError) as exc:
+            why_not = f"fbgemm-gpu {installed} failed to load ({type(exc).__name__}: {exc})"
+    if installed is not None and not disabled:
+        warnings.warn(f"{__package__}: {why_not}; {_FALLBACK}", RuntimeWarning, stacklevel=3)
+    return None, why_not
 
 
 def fbgemm_available() -> bool:
-    """Whether fbgemm's ``permute_multi_embedding`` ops can be called here."""
-    return fbgemm_status()[0]
+    """Whether fbgemm loaded (see :func:`_load` for the steps)."""
+    return _load()[0] is not None
+
+
+def fbgemm_status() -> str:
+    """One line saying which fbgemm is in use, or why none is."""
+    return _load()[1]
+
+
+# ---- end of the shared loader ----
 
 
 def permute_multi_embedding_function(

@@ -16,23 +16,23 @@ at the cap, free buffers of other classes are dropped first); :func:`release_hos
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Sequence
 
 import torch
 
+from kt_regroup import _env
+
 __all__ = ["MIN_BYTES", "host_empty", "release_host_buffers", "size_class"]
 
 MIN_BYTES = 1 << 20
-_DEFAULT_CAP_MB = 4096
 # How many references a storage has (torch's private helper, used by torch.multiprocessing too); without it
 # a buffer's reuse cannot be proven safe, so the pool stays off.
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _cap_bytes() -> int:
-    raw = os.environ.get("KT_REGROUP_HOST_POOL_MB", str(_DEFAULT_CAP_MB))
+    raw = _env.HOST_POOL_MB.get()
     try:
         return max(0, int(raw)) << 20
     except ValueError:

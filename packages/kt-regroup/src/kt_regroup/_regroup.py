@@ -63,9 +63,7 @@ def _cached_plan(layout: InputLayout, groups: tuple[tuple[str, ...], ...], backe
     The key leaves out the batch size: a plan does not depend on it, and a varying batch (the last batch
     of an epoch, VBE) must not fill the LRU with copies of one plan.
     """
-    import os
-
-    from kt_regroup._backend import ENV_VAR
+    from kt_regroup import _env
 
     key = (
         layout.keys,
@@ -75,7 +73,7 @@ def _cached_plan(layout: InputLayout, groups: tuple[tuple[str, ...], ...], backe
         layout.dtype,
         groups,
         backend,
-        os.environ.get(ENV_VAR, ""),
+        _env.BACKEND.get(),
     )
     plan = _PLAN_CACHE.get(key)
     if plan is None:

@@ -15,7 +15,6 @@ only per-call host work is the launch itself.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,13 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kt_regroup import _env
 from kt_regroup._plan import TRITON_MAX_TENSORS
 
 __all__ = ["triton_backward", "triton_forward"]
 
 # Rows per program and warps per program; the environment overrides exist for tuning sweeps only.
-BLOCK_B = int(os.environ.get("KT_REGROUP_TRITON_BLOCK_B", "32"))
-NUM_WARPS = int(os.environ.get("KT_REGROUP_TRITON_NUM_WARPS", "4"))
+BLOCK_B = int(_env.TRITON_BLOCK_B.get())
+NUM_WARPS = int(_env.TRITON_NUM_WARPS.get())
 
 
 @triton.jit
