@@ -3,6 +3,7 @@ state after a crash, prefetch matching, error classes. SIGKILL tests run real su
 
 from __future__ import annotations
 
+import ast
 import errno
 import os
 import shutil
@@ -12,13 +13,15 @@ import sys
 import textwrap
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import ssd_tbe_adapter
+import ssd_tbe_adapter.errors
 from ssd_tbe_adapter import (
     CheckpointCorruptError,
     DiskFullError,
@@ -688,3 +691,132 @@ def test_flush_and_close_work_after_a_failed_prefetch() -> None:
     }
     assert rows == dict.fromkeys([*range(8), *range(30, 38)], -1.0)
     module.close()
+
+
+# ---------------------------------------------------------------------------- 10: error classes
+
+
+def bad(value: object) -> Any:
+    """``value`` typed as anything: an argument of the wrong kind on purpose."""
+    return value
+
+
+def closed_then(thing: MemoryStore | KeyValueEmbeddingBags) -> None:
+    """Close ``thing``, then use it."""
+    thing.close()
+    thing.flush()
+
+
+def _bad_calls(tmp_path: Path) -> list[tuple[str, Callable[[], object], type[BaseException]]]:
+    module = make_module()
+    store = MemoryStore()
+    (tmp_path / "file").write_text("x")
+    return [
+        (
+            "optimizer",
+            lambda: KeyValueEmbeddingBags(TABLES, None, store, cache_rows=2, optimizer=bad("adam")),
+            ValueError,
+        ),
+        (
+            "pooling",
+            lambda: KeyValueEmbeddingBags(TABLES, None, store, cache_rows=2, pooling=bad("max")),
+            ValueError,
+        ),
+        (
+            "learning_rate",
+            lambda: KeyValueEmbeddingBags(TABLES, None, store, cache_rows=2, learning_rate=-1.0),
+            ValueError,
+        ),
+        (
+            "init_range",
+            lambda: KeyValueEmbeddingBags(TABLES, None, store, cache_rows=2, init_range=(1.0, 0.0)),
+            ValueError,
+        ),
+        ("tables", lambda: KeyValueEmbeddingBags([], None, store, cache_rows=2), ValueError),
+        ("feature_table_map", lambda: KeyValueEmbeddingBags(TABLES, [5], store, cache_rows=2), ValueError),
+        ("cache_rows", lambda: KeyValueEmbeddingBags(TABLES, None, store, cache_rows=-1), ValueError),
+        ("store", lambda: KeyValueEmbeddingBags(TABLES, None, bad(object()), cache_rows=2), TypeError),
+        ("dim", lambda: TableSpec("a", 0), ValueError),
+        (
+            "ids",
+            lambda: TableChunk(
+                table="a", ids=torch.zeros(2), weights=torch.zeros(2, 4), optimizer_state=torch.zeros(2, 1)
+            ),
+            ValueError,
+        ),
+        ("indices", lambda: module(torch.zeros(3), torch.tensor([0, 3])), ValueError),
+        ("offsets", lambda: module(torch.arange(3), torch.tensor([0, 4, 3])), ValueError),
+        (
+            "per_sample_weights",
+            lambda: module(torch.arange(4), torch.tensor([0, 2, 4]), torch.ones(3)),
+            ValueError,
+        ),
+        (
+            "batch_size_per_feature_per_rank",
+            lambda: module(torch.arange(4), torch.tensor([0, 2, 4]), None, [[1]]),
+            ValueError,
+        ),
+        ("chunk_rows", lambda: list(module.checkpoint(chunk_rows=0)), ValueError),
+        ("io_threads", lambda: RocksDBStore(tmp_path / "db", io_threads=0), ValueError),
+        ("wal_recovery", lambda: RocksDBStore(tmp_path / "db", wal_recovery=bad("lax")), ValueError),
+        ("store `ids`", lambda: store.get(torch.zeros(2), torch.zeros(2, 4, dtype=torch.uint8)), ValueError),
+        (
+            "store `rows`",
+            lambda: store.put(torch.arange(2), torch.zeros(3, 4, dtype=torch.uint8)),
+            ValueError,
+        ),
+        (
+            "store table",
+            lambda: store.put(torch.arange(1), torch.zeros(1, 4, dtype=torch.uint8), table=2**32 - 1),
+            ValueError,
+        ),
+        ("missing checkpoint", lambda: module.load_checkpoint(tmp_path / "nowhere"), FileNotFoundError),
+        ("store under a file", lambda: RocksDBStore(tmp_path / "file" / "db"), OSError),
+        ("checkpoint under a file", lambda: module.save_checkpoint(tmp_path / "file" / "ckpt"), OSError),
+        (
+            "missing store",
+            lambda: RocksDBStore(tmp_path / "absent", create_if_missing=False),
+            FileNotFoundError,
+        ),
+        ("closed store", lambda: closed_then(store), RuntimeError),
+        ("closed module", lambda: closed_then(module), RuntimeError),
+    ]
+
+
+BAD_CALLS = [
+    "optimizer", "pooling", "learning_rate", "init_range", "tables", "feature_table_map", "cache_rows", "store",
+    "dim", "ids", "indices", "offsets", "per_sample_weights", "batch_size_per_feature_per_rank", "chunk_rows",
+    "io_threads", "wal_recovery", "store `ids`", "store `rows`", "store table", "missing checkpoint",
+    "store under a file", "checkpoint under a file", "missing store", "closed store", "closed module",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_CALLS, ids=BAD_CALLS)
+def test_every_deliberate_error_is_a_package_error_and_the_matching_builtin(
+    tmp_path: Path, case: str
+) -> None:
+    """Bad arguments, missing paths, mkdir failures and closed objects raise errors that are instances of
+    SSDTBEAdapterError and of the matching builtin (`except SSDTBEAdapterError` catches every one)."""
+    calls = {name: (call, builtin) for name, call, builtin in _bad_calls(tmp_path)}
+    assert sorted(calls) == sorted(BAD_CALLS)
+    call, builtin = calls[case]
+    with pytest.raises(SSDTBEAdapterError) as info:
+        call()
+    assert isinstance(info.value, builtin)
+    assert type(info.value).__module__ == "ssd_tbe_adapter.errors"
+
+
+def test_source_raises_only_package_errors() -> None:
+    """Every `raise X(...)` in the package's source names a class of ssd_tbe_adapter.errors (no bare builtin)."""
+    source = Path(ssd_tbe_adapter.__file__).parent
+    allowed = {*ssd_tbe_adapter.errors.__all__, "io_error", "_classify"}  # those two return package errors
+    offenders = [
+        f"{file.name}:{node.lineno} raises {node.exc.func.id}"
+        for file in sorted(source.glob("*.py"))
+        for node in ast.walk(ast.parse(file.read_text()))
+        if isinstance(node, ast.Raise)
+        and isinstance(node.exc, ast.Call)
+        and isinstance(node.exc.func, ast.Name)
+        and node.exc.func.id not in allowed
+    ]
+    assert offenders == []

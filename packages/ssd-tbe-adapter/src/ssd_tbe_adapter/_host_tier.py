@@ -22,6 +22,7 @@ import torch
 
 from ssd_tbe_adapter._records import RecordLayout
 from ssd_tbe_adapter._tier import CacheTier
+from ssd_tbe_adapter.errors import InvalidArgumentError
 
 __all__ = ["HostTier", "RowTier", "StoreTier", "TierMetrics", "TierRows"]
 
@@ -48,7 +49,7 @@ class TierRows:
         k = self.ids.shape[0]
         shapes = (self.tables.shape, self.weights.shape[:1], self.state.shape, self.dirty.shape)
         if any(tuple(shape) != (k,) for shape in shapes):
-            raise ValueError(f"TierRows fields disagree on the row count: ids {k}, others {shapes}")
+            raise InvalidArgumentError(f"TierRows fields disagree on the row count: ids {k}, others {shapes}")
 
     def select(self, index: torch.Tensor) -> TierRows:
         """The rows at ``index`` (host int64 positions or a bool mask)."""

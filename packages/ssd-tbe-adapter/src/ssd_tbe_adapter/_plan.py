@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ssd_tbe_adapter._checks import describe
+from ssd_tbe_adapter.errors import InvalidArgumentError
 
 __all__ = ["Plan", "TableGroup", "device_inverse", "group_batch", "plan_batch", "sort_with_order"]
 
@@ -82,28 +83,28 @@ def plan_batch(
             or tensor.dim() != 1
             or tensor.dtype not in (torch.int32, torch.int64)
         ):
-            raise ValueError(f"`{name}` must be a 1-D int32/int64 tensor, got {describe(tensor)}")
+            raise InvalidArgumentError(f"`{name}` must be a 1-D int32/int64 tensor, got {describe(tensor)}")
         if tensor.device != device:
-            raise ValueError(f"`{name}` is on {tensor.device}, this module on {device}")
+            raise InvalidArgumentError(f"`{name}` is on {tensor.device}, this module on {device}")
     if offsets.numel() < 1:
-        raise ValueError("`offsets` must hold at least one element (offsets[0] == 0)")
+        raise InvalidArgumentError("`offsets` must hold at least one element (offsets[0] == 0)")
     indices_cpu = indices.to("cpu", torch.int64) if host_indices else indices
     offsets_cpu = host_offsets if host_offsets is not None else offsets.to("cpu", torch.int64)
     total_bags = offsets_cpu.numel() - 1
     if int(offsets_cpu[0]) != 0 or int(offsets_cpu[-1]) != indices_cpu.numel():
-        raise ValueError(
+        raise InvalidArgumentError(
             f"`offsets` must start at 0 and end at len(indices)={indices_cpu.numel()}, "
             f"got {int(offsets_cpu[0])} .. {int(offsets_cpu[-1])}"
         )
     if total_bags and bool((offsets_cpu[1:] < offsets_cpu[:-1]).any()):
-        raise ValueError("`offsets` must be non-decreasing")
+        raise InvalidArgumentError("`offsets` must be non-decreasing")
     if per_sample_weights is not None and (
         per_sample_weights.dim() != 1
         or not per_sample_weights.is_floating_point()
         or per_sample_weights.numel() != indices_cpu.numel()
         or per_sample_weights.device != device
     ):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"`per_sample_weights` must be a [{indices_cpu.numel()}] float tensor on {device}, "
             f"got {describe(per_sample_weights)}"
         )
@@ -113,7 +114,7 @@ def plan_batch(
     batch_size = 0
     if batch_sizes is not None:
         if len(batch_sizes) != num_features or not batch_sizes:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"`batch_size_per_feature_per_rank` must have one list per feature ({num_features}), "
                 f"got {len(batch_sizes)}"
             )
@@ -123,27 +124,27 @@ def plan_batch(
             or any(len(row) != ranks for row in batch_sizes)
             or any((not isinstance(b, int)) or b < 0 for row in batch_sizes for b in row)
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"`batch_size_per_feature_per_rank` must be [F={num_features}][R] non-negative ints, "
                 f"got {batch_sizes!r}"
             )
         num_bags = [sum(row) for row in batch_sizes]
         if sum(num_bags) != total_bags:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"`batch_size_per_feature_per_rank` sums to {sum(num_bags)} bags, `offsets` has {total_bags}"
             )
         if vbe_output_offsets is not None and vbe_output is None:
-            raise ValueError("`vbe_output_offsets` was given without `vbe_output`")
+            raise InvalidArgumentError("`vbe_output_offsets` was given without `vbe_output`")
         if vbe_output is not None:
             if vbe_output_offsets is None:
-                raise ValueError("`vbe_output` was given without `vbe_output_offsets`")
+                raise InvalidArgumentError("`vbe_output` was given without `vbe_output_offsets`")
             if (
                 vbe_output.dim() != 1
                 or vbe_output.dtype != torch.float32
                 or not vbe_output.is_contiguous()
                 or vbe_output.device != device
             ):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"`vbe_output` must be a contiguous 1-D float32 tensor on {device}, got {describe(vbe_output)}"
                 )
             if tuple(vbe_output_offsets.shape) != (
@@ -153,7 +154,7 @@ def plan_batch(
                 torch.int32,
                 torch.int64,
             ):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"`vbe_output_offsets` must be [R={ranks}, F={num_features}] int64, got {describe(vbe_output_offsets)}"
                 )
             starts: list[list[int]] = vbe_output_offsets.to("cpu", torch.int64).tolist()
@@ -174,7 +175,7 @@ def plan_batch(
                 bags = batch_sizes[feature][rank]
                 start = starts[rank][feature]
                 if bags and (start < 0 or start + bags * dim > output_numel):
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"`vbe_output_offsets`[{rank}][{feature}] = {start}: block of {bags}x{dim} "
                         f"does not fit in `vbe_output` of {output_numel} elements"
                     )
@@ -183,9 +184,9 @@ def plan_batch(
             blocks.append(feature_blocks)
     else:
         if vbe_output is not None or vbe_output_offsets is not None:
-            raise ValueError("`vbe_output` needs `batch_size_per_feature_per_rank` (VBE)")
+            raise InvalidArgumentError("`vbe_output` needs `batch_size_per_feature_per_rank` (VBE)")
         if total_bags % num_features:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"`offsets` holds {total_bags} bags, not a multiple of the {num_features} features"
             )
         batch_size = total_bags // num_features

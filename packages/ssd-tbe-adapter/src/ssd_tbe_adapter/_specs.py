@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ssd_tbe_adapter.errors import InvalidArgumentError
+
 __all__ = ["TableChunk", "TableSpec"]
 
 
@@ -23,9 +25,9 @@ class TableSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"`name` must be a non-empty string, got {self.name!r}")
+            raise InvalidArgumentError(f"`name` must be a non-empty string, got {self.name!r}")
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
-            raise ValueError(f"`dim` of table `{self.name}` must be an int >= 1, got {self.dim!r}")
+            raise InvalidArgumentError(f"`dim` of table `{self.name}` must be an int >= 1, got {self.dim!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -47,14 +49,14 @@ class TableChunk:
     def __post_init__(self) -> None:
         n = self.ids.shape[0] if self.ids.dim() == 1 else -1
         if n < 0 or self.ids.dtype != torch.int64:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"`ids` of chunk of `{self.table}` must be 1-D int64, got {self.ids.dtype} {tuple(self.ids.shape)}"
             )
         if self.weights.dim() != 2 or self.weights.shape[0] != n:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"`weights` of chunk of `{self.table}` must be [{n}, D], got {tuple(self.weights.shape)}"
             )
         if self.optimizer_state.dim() != 2 or self.optimizer_state.shape[0] != n:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"`optimizer_state` of chunk of `{self.table}` must be [{n}, S], got {tuple(self.optimizer_state.shape)}"
             )
