@@ -373,11 +373,12 @@ def test_prefetch_is_reused_for_a_view_of_the_same_ids() -> None:
 
 
 class FailingStore(MemoryStore):
-    """A memory store whose next ``failures`` reads raise ``StoreIOError``."""
+    """A memory store whose next ``failures`` reads and next ``put_failures`` writes raise ``StoreIOError``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.failures = 0
+        self.put_failures = 0
 
     def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
         if self.failures:
@@ -385,17 +386,27 @@ class FailingStore(MemoryStore):
             raise StoreIOError("injected read failure")
         return super().get(ids, out, table=table)
 
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None:
+        if self.put_failures:
+            self.put_failures -= 1
+            raise StoreIOError("injected write failure")
+        super().put(ids, rows, table=table)
 
-def test_failed_prefetch_read_surfaces_at_forward_and_loses_no_update() -> None:
-    """A store read failing in prefetch raises at the forward that would use it; retrying that forward and
-    training on gives the reference's rows (no update lost, no row duplicated)."""
+
+@pytest.mark.parametrize("failing", ["read", "write"], ids=["read", "write"])
+def test_failed_prefetch_store_call_surfaces_at_forward_and_loses_no_update(failing: str) -> None:
+    """A store read or write-back failing in prefetch raises at the forward that would use it; retrying that
+    forward and training on gives the reference's rows (no update lost, no row duplicated)."""
     batches = make_batches(6, vbe=False)
     store = FailingStore()
     module = make_module("cpu", on_device=True, cache_rows=2, host_cache_rows=3, store=store)
     reference = Reference("rowwise_adagrad", "sum", False)
     for step, b in enumerate(batches):
         if step == 3:
-            store.failures = 1
+            if failing == "read":
+                store.failures = 1
+            else:
+                store.put_failures = 1
             module.prefetch(b.indices, b.offsets)
             with pytest.raises(StoreIOError, match="injected"):
                 module.wait_prefetch()

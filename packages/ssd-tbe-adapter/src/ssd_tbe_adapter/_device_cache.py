@@ -234,20 +234,27 @@ class DeviceCache:
         return chosen
 
     def _move_in(self, slots: torch.Tensor, tables: torch.Tensor, ids: torch.Tensor, tick: int) -> None:
-        """Evict what ``slots`` hold (down to the tier below), then read ``(tables, ids)`` into them."""
+        """Evict what ``slots`` hold (down to the tier below), then read ``(tables, ids)`` into them.
+
+        Failure-safe order (a store call may raise): the victims are handed down first and only then
+        forgotten here, and the missing rows are read before anything is written into their slots. A failing
+        write-back leaves this tier unchanged (the victims still hold their rows); a failing read leaves the
+        victims' rows below and their slots free. Either way every row lives in exactly one tier.
+        """
         occupied = slots[self.valid.index_select(0, slots)]  # host sync (size)
-        evicted: TierRows | None = None
         if occupied.numel():
-            if not self.lower.keeps_clean_rows:
-                occupied = occupied[self.dirty.index_select(0, occupied)]
-            if occupied.numel():
-                evicted = self.rows_to_host(occupied)
+            handed = (
+                occupied if self.lower.keeps_clean_rows else occupied[self.dirty.index_select(0, occupied)]
+            )
+            if handed.numel():
+                evicted = self.rows_to_host(handed)
+                self.lower.give(evicted)
                 self.metrics.written_back_rows += int(evicted.dirty.sum())
             self.metrics.evicted_rows += int(occupied.numel())
-        # Take first: a failing read leaves every tier unchanged (the victims still hold their rows).
+            self.valid.index_put_((occupied,), torch.zeros((), dtype=torch.bool, device=self.device))
+            self.dirty.index_put_((occupied,), torch.zeros((), dtype=torch.bool, device=self.device))
+            self._rebuild_index()
         fetched = self.lower.take(tables.cpu(), ids.cpu())
-        if evicted is not None:
-            self.lower.give(evicted)
         non_blocking = self.device.type == "cuda"
         self.weights.index_copy_(0, slots, fetched.weights.to(self.device, non_blocking=non_blocking))
         self.state.index_copy_(0, slots, fetched.state.to(self.device, non_blocking=non_blocking))
