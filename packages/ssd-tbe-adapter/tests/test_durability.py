@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ from ssd_tbe_adapter import (
     RowsNotRestoredWarning,
     SchemaMismatchError,
     SSDTBEAdapterError,
+    StoreClosedError,
     StoreCorruptError,
     StoreIOError,
     TableChunk,
@@ -820,3 +822,54 @@ def test_source_raises_only_package_errors() -> None:
         and node.exc.func.id not in allowed
     ]
     assert offenders == []
+
+
+# ---------------------------------------------------------------------------- context manager, close
+
+
+def test_rocksdb_store_is_a_context_manager(tmp_path: Path) -> None:
+    """`with RocksDBStore(path) as store` closes (and flushes) the store at the end of the block."""
+    with RocksDBStore(tmp_path / "db") as store:
+        store.put(torch.tensor([3]), torch.full((1, 4), 9, dtype=torch.uint8))
+    with pytest.raises(StoreClosedError):
+        store.put(torch.tensor([4]), torch.zeros(1, 4, dtype=torch.uint8))
+    with RocksDBStore(tmp_path / "db", create_if_missing=False) as store:
+        out = torch.zeros(1, 4, dtype=torch.uint8)
+        assert bool(store.get(torch.tensor([3]), out).all())
+        assert out.tolist() == [[9] * 4]
+    with MemoryStore() as memory:
+        memory.put(torch.tensor([1]), torch.zeros(1, 4, dtype=torch.uint8))
+    with pytest.raises(StoreClosedError):
+        memory.flush()
+
+
+def test_close_waits_for_chunk_iterators_and_ends_them(tmp_path: Path) -> None:
+    """close() while iterations are open: a thread iterating a large table either finishes or gets
+    StoreClosedError at its next chunk (never a crash or a read of a closed database); a paused iteration
+    raises StoreClosedError on its next chunk."""
+    store = RocksDBStore(tmp_path / "db")
+    store.put(torch.arange(20000), torch.full((20000, 16), 1, dtype=torch.uint8))
+    paused = store.iter_chunks(table=0, chunk_rows=100)
+    first_ids, _ = next(paused)
+    assert first_ids.tolist() == list(range(100))
+    outcome: list[str] = []
+    started = threading.Event()
+
+    def iterate() -> None:
+        rows = 0
+        try:
+            for ids, _ in store.iter_chunks(table=0, chunk_rows=50):
+                rows += ids.numel()
+                started.set()
+            outcome.append(f"finished {rows}")
+        except StoreClosedError:
+            outcome.append("closed")
+
+    thread = threading.Thread(target=iterate)
+    thread.start()
+    started.wait(timeout=30)
+    store.close()
+    thread.join(timeout=30)
+    assert outcome in (["closed"], ["finished 20000"])
+    with pytest.raises(StoreClosedError, match="closed"):
+        next(paused)
