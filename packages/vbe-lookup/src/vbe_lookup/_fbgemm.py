@@ -1,14 +1,14 @@
 """The one place ``vbe_lookup`` imports fbgemm-gpu.
 
-fbgemm is ABI-locked to one torch release; a mismatched pair fails to load (or worse). The shim checks
-the installed pair before importing, catches load errors, warns once and reports availability. Nothing
-else in the package imports ``fbgemm_gpu``.
+fbgemm is ABI-locked to one torch release (see ``TORCH_FOR_FBGEMM``); a mismatched pair can fail at import
+or crash the process, so the installed release is checked against torch *before* the import and a known
+mismatch is never imported. ``VBE_LOOKUP_DISABLE_FBGEMM=1`` skips fbgemm altogether. Load errors warn
+once; the package then uses its pure-PyTorch kernels. Nothing else in the package imports ``fbgemm_gpu``.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -17,7 +17,10 @@ from typing import Any
 
 import torch
 
+from vbe_lookup import _env
+
 __all__ = [
+    "TORCH_FOR_FBGEMM",
     "fbgemm_available",
     "fbgemm_status",
     "install_vbe_metadata_cache",
@@ -28,60 +31,28 @@ __all__ = [
     "tbe_output_dtype",
 ]
 
-# fbgemm-gpu minor release -> the torch minor release it is built against.
-_ABI_PAIRS = {(1, 6): (2, 11), (1, 7): (2, 12), (1, 8): (2, 13), (1, 9): (2, 14)}
-_DISABLE_ENV = "VBE_LOOKUP_DISABLE_FBGEMM"
+_FALLBACK = "using the pure PyTorch kernels"
 
 
-def _minor(version: str) -> tuple[int, int] | None:
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
+def _import() -> Any:
+    """Import fbgemm-gpu's training-TBE module (raises when it does not load)."""
+    import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm
+    from fbgemm_gpu import split_table_batched_embeddings_ops_training as training
+
+    return training
 
 
-@functools.cache
-def _load() -> tuple[Any, str]:
-    """Import fbgemm's TBE module once; ``(module or None, status line)``."""
-    if os.environ.get(_DISABLE_ENV) == "1":
-        return None, f"disabled by {_DISABLE_ENV}=1"
-    installed = _installed_version()
-    torch_minor = _minor(torch.__version__)
-    if installed is not None:
-        wanted = _ABI_PAIRS.get(_minor(installed) or (0, 0))
-        if wanted is not None and wanted != torch_minor:
-            return None, (
-                f"fbgemm-gpu {installed} needs torch {wanted[0]}.{wanted[1]}, found torch {torch.__version__}"
-            )
-    try:
-        import fbgemm_gpu
-        from fbgemm_gpu import split_table_batched_embeddings_ops_training as training
-    except (ImportError, OSError, RuntimeError) as exc:
-        return None, f"fbgemm_gpu failed to import: {type(exc).__name__}: {exc}"
-    version = getattr(fbgemm_gpu, "__version__", installed)
-    return training, f"fbgemm_gpu {version} with torch {torch.__version__}"
+# ---- the loader: the same code in every recsys-blocks package that uses fbgemm (only `_import` differs) ----
+
+# fbgemm-gpu release (major.minor) -> the torch release (major.minor) it is built against.
+TORCH_FOR_FBGEMM: dict[str, str] = {"1.6": "2.11", "1.7": "2.12", "1.8": "2.13", "1.9": "2.14"}
+# The distributions that provide the ``fbgemm_gpu`` module (CUDA, CPU, nightlies).
+DISTRIBUTIONS = ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu")
 
 
-@functools.cache
-def _warn_once(status: str) -> None:
-    warnings.warn(f"vbe_lookup: fbgemm unavailable ({status}); using the pure PyTorch kernels", stacklevel=3)
-
-
-def fbgemm_available() -> bool:
-    """Whether fbgemm's TBE imported (warns once, with the reason, when it did not)."""
-    module, status = _load()
-    if module is None and installed_anything():
-        _warn_once(status)
-    return module is not None
-
-
-def installed_anything() -> bool:
-    """Whether some fbgemm-gpu distribution is installed (a missing optional extra is not worth a warning)."""
-    return _installed_version() is not None
-
-
-_DISTRIBUTIONS = ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-nightly-cpu")
+def _minor(version: str) -> str:
+    """``"2.13.0+cpu"`` -> ``"2.13"``."""
+    return ".".join(version.split("+")[0].split(".")[:2])
 
 
 def _version_or_none(dist: str) -> str | None:
@@ -92,14 +63,57 @@ def _version_or_none(dist: str) -> str | None:
 
 
 def _installed_version() -> str | None:
-    """Version of the installed fbgemm-gpu distribution (CPU or CUDA flavour), if any."""
-    versions = [v for v in map(_version_or_none, _DISTRIBUTIONS) if v is not None]
+    """The version of the installed fbgemm-gpu distribution (read from its metadata: nothing is imported)."""
+    versions = [v for v in map(_version_or_none, DISTRIBUTIONS) if v is not None]
     return versions[0] if versions else None
+
+
+def _precheck(installed: str | None, torch_version: str, disabled: bool) -> str | None:
+    """Why fbgemm must not be imported (checked before any import), or ``None`` when the import may be tried."""
+    if disabled:
+        return f"disabled by {_env.DISABLE_FBGEMM.name}=1"
+    if installed is None:
+        return "fbgemm-gpu is not installed"
+    wanted = TORCH_FOR_FBGEMM.get(_minor(installed))
+    if wanted is not None and wanted != _minor(torch_version):
+        return (
+            f"fbgemm-gpu {installed} is built for torch {wanted}, this is torch {torch_version}: not imported"
+        )
+    return None
+
+
+@functools.cache
+def _load() -> tuple[Any, str]:
+    """``(what this package needs from fbgemm, or None; one status line)``, computed once.
+
+    Steps: the switch, the installed distribution, its torch pairing (all before any import, since a
+    mismatched pair can crash at import), then the import. An installed but unusable fbgemm warns once
+    (``RuntimeWarning``); a disabled or absent one does not (the extra is optional).
+    """
+    installed = _installed_version()
+    disabled = _env.DISABLE_FBGEMM.get() == "1"
+    why_not = _precheck(installed, torch.__version__, disabled)
+    if why_not is None:
+        try:
+            return _import(), f"fbgemm-gpu {installed} with torch {torch.__version__}"
+        except (ImportError, OSError, RuntimeError, AttributeError) as exc:
+            why_not = f"fbgemm-gpu {installed} failed to load ({type(exc).__name__}: {exc})"
+    if installed is not None and not disabled:
+        warnings.warn(f"{__package__}: {why_not}; {_FALLBACK}", RuntimeWarning, stacklevel=3)
+    return None, why_not
+
+
+def fbgemm_available() -> bool:
+    """Whether fbgemm loaded (see :func:`_load` for the steps)."""
+    return _load()[0] is not None
 
 
 def fbgemm_status() -> str:
     """One line saying which fbgemm is in use, or why none is."""
     return _load()[1]
+
+
+# ---- end of the shared loader ----
 
 
 def is_fbgemm_tbe(kernel: object) -> bool:
