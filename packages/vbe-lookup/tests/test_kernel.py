@@ -242,7 +242,8 @@ def test_direct_call_rejects_bad_offsets(offsets: list[int], match: str) -> None
     kernel = TorchEmbeddingKernel([10, 10], [4, 4])
     with pytest.raises(BatchLayoutError, match=match) as info:
         kernel(torch.tensor([1, 2, 3, 4]), torch.tensor(offsets))
-    assert isinstance(info.value, VBELookupError) and isinstance(info.value, ValueError)
+    assert isinstance(info.value, VBELookupError)
+    assert isinstance(info.value, ValueError)
 
 
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "sync-free"])
