@@ -372,6 +372,52 @@ def test_prefetch_is_reused_for_a_view_of_the_same_ids() -> None:
     module.close()
 
 
+def test_two_forwards_before_their_backwards_and_odd_inputs() -> None:
+    """Two forwards, then both backwards (gradient accumulation): the first batch's rows keep their slots
+    until its backward; int32 ids/offsets and an empty VBE batch work. Checked against the reference."""
+    batches = make_batches(4, vbe=True)
+    module = make_module("cpu", on_device=True, cache_rows=1)
+    reference = Reference("sgd", "sum", False)
+    module.optimizer = "sgd"
+    a, b = batches[0], batches[1]
+    out_a = module(a.indices, a.offsets.int(), a.psw, a.sizes)
+    out_b = module(b.indices, b.offsets, b.psw, b.sizes)
+    probes = [
+        torch.randn(o.shape, generator=torch.Generator().manual_seed(1000 + k))
+        for k, o in enumerate((out_a, out_b))
+    ]
+    # The reference applies both updates after both forwards too: run its forwards on the same weights.
+    want_a, _ = reference.step(a, 1000)
+    weights_after_a = [w.clone() for w in reference.weights]
+    reference.weights = [w.clone() for w in Reference("sgd", "sum", False).weights]
+    want_b, _ = reference.step(b, 1001)
+    torch.testing.assert_close(out_a.detach(), want_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_b.detach(), want_b, atol=1e-5, rtol=1e-5)
+    torch.autograd.backward((out_b * probes[1]).sum())
+    torch.autograd.backward((out_a * probes[0]).sum())
+    initial = Reference("sgd", "sum", False).weights
+    expected = [wa + wb - w0 for wa, wb, w0 in zip(weights_after_a, reference.weights, initial, strict=True)]
+    empty = Batch(
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(7, dtype=torch.int64),
+        torch.zeros(0),
+        [[0, 0], [3, 0], [0, 3]],
+    )
+    out = module(empty.indices, empty.offsets, None, empty.sizes)
+    assert out.shape == (3 * 5 + 3 * 8,)
+    assert bool((out == 0).all())
+    out.sum().backward()
+    for (table, i), (w, _) in stored_rows(module).items():
+        t = [spec.name for spec in TABLES].index(table)
+        torch.testing.assert_close(w, expected[t][reference.row[i]], atol=1e-5, rtol=1e-5)
+    module.close()
+    small = a.indices.remainder(1000)  # int32 ids: values that fit
+    wide, narrow = (make_module("cpu", on_device=True, cache_rows=2) for _ in range(2))
+    torch.testing.assert_close(
+        narrow(small.int(), a.offsets, a.psw, a.sizes), wide(small, a.offsets, a.psw, a.sizes)
+    )
+
+
 class FailingStore(MemoryStore):
     """A memory store whose next ``failures`` reads and next ``put_failures`` writes raise ``StoreIOError``."""
 
