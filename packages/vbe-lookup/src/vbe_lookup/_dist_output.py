@@ -67,6 +67,13 @@ class PooledOutputDist(_OutputDistBase):
         self._col_feature = col_feature.to(comm.device)
         self._col_mean = torch.tensor(mean, dtype=torch.bool)[col_feature].to(comm.device)
         self._target_cache: dict[int, Tensor] = {}
+        # Segments of the received buffer, one per (owner rank, slot) in receive order: first column in the
+        # output and width. _target expands them for any batch size with a few device ops (no host loop).
+        seg_col = [self.col_offset[slot.feature] for rl in layout.ranks for slot in rl.slots]
+        seg_dim = [dim for rl in layout.ranks for dim in rl.slot_dims]
+        self._seg_col = torch.tensor(seg_col, dtype=torch.int64).to(comm.device)
+        self._seg_dim = torch.tensor(seg_dim, dtype=torch.int64).to(comm.device)
+        self._seg_width = sum(seg_dim)
         self._inverse_key_cache: dict[tuple[str, ...], Tensor] = {}
 
     def __call__(self, lookup_out: Tensor, dist: DistributedFeatures, anchor: Tensor | None) -> Tensor:
@@ -94,13 +101,18 @@ class PooledOutputDist(_OutputDistBase):
         if cached is None:
             if len(self._target_cache) >= _MAX_CACHE:
                 self._target_cache.clear()
-            parts = []
-            rows = torch.arange(batch, dtype=torch.int64)[:, None] * self.total_dim
-            for rl in self.layout.ranks:
-                for slot, dim in zip(rl.slots, rl.slot_dims, strict=True):
-                    col = self.col_offset[slot.feature] + torch.arange(dim, dtype=torch.int64)[None, :]
-                    parts.append((rows + col).reshape(-1))
-            cached = (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)).to(self.comm.device)
+            # Segment s holds batch * dim_s elements, sample-major: element t of it is sample t // dim_s,
+            # column seg_col[s] + t % dim_s of the [B, sum(dims)] output.
+            sizes = self._seg_dim * batch
+            total = batch * self._seg_width
+            segment = torch.repeat_interleave(
+                torch.arange(sizes.numel(), device=sizes.device), sizes, output_size=total
+            )
+            first = torch.cumsum(sizes, 0) - sizes
+            within = torch.arange(total, device=sizes.device) - first[segment]
+            dim = self._seg_dim[segment]
+            sample = torch.div(within, dim, rounding_mode="floor")
+            cached = sample * self.total_dim + self._seg_col[segment] + (within - sample * dim)
             self._target_cache[batch] = cached
         return cached
 
