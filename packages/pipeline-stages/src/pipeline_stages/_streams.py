@@ -35,6 +35,29 @@ def record_stream_all(obj: Any, stream: torch.cuda.Stream) -> None:
     _walk(obj, stream, set())
 
 
+# How _walk treats each type, decided once per type: a runtime Protocol isinstance check costs microseconds
+# and the pipeline walks every in-flight batch several times per step.
+_PIPELINEABLE, _DATACLASS, _MAPPING, _SEQUENCE, _OPAQUE = range(5)
+_KIND: dict[type, int] = {}
+
+
+def _kind(cls: type, obj: Any) -> int:
+    kind = _KIND.get(cls)
+    if kind is None:
+        if isinstance(obj, Pipelineable):
+            kind = _PIPELINEABLE
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            kind = _DATACLASS
+        elif isinstance(obj, Mapping):
+            kind = _MAPPING
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            kind = _SEQUENCE
+        else:
+            kind = _OPAQUE
+        _KIND[cls] = kind
+    return kind
+
+
 def _walk(obj: Any, stream: torch.cuda.Stream, seen: set[int]) -> None:
     if isinstance(obj, _ATOMS):
         return
@@ -46,15 +69,16 @@ def _walk(obj: Any, stream: torch.cuda.Stream, seen: set[int]) -> None:
     if key in seen:
         return
     seen.add(key)
-    if isinstance(obj, Pipelineable):
+    kind = _kind(type(obj), obj)
+    if kind == _PIPELINEABLE:
         obj.record_stream(stream)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    elif kind == _DATACLASS:
         for field in dataclasses.fields(obj):
             _walk(getattr(obj, field.name), stream, seen)
-    elif isinstance(obj, Mapping):
+    elif kind == _MAPPING:
         for value in obj.values():
             _walk(value, stream, seen)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
+    elif kind == _SEQUENCE:
         for item in obj:
             _walk(item, stream, seen)
 
