@@ -101,6 +101,7 @@ class DeviceCache:
             torch.arange(self.num_tables, dtype=torch.int64), torch.tensor(self.capacities, dtype=torch.int64)
         ).to(device)
         self.dims_device = torch.tensor(self.dims, dtype=torch.float32, device=device)
+        self.bases_device = torch.tensor(self.bases, dtype=torch.int64, device=device)
         self.metrics = DeviceCacheMetrics()
         self._allocate(self.region_size, keep=False)
 
@@ -216,8 +217,7 @@ class DeviceCache:
         first = torch.cumsum(misses_per_table, 0) - misses_per_table
         rank = torch.arange(count, device=device) - first.index_select(0, tables)
         in_region = rank < take.index_select(0, tables)
-        bases = torch.tensor(self.bases, dtype=torch.int64, device=device)
-        region_position = (bases.index_select(0, tables) + rank).clamp_(max=max(region - 1, 0))
+        region_position = (self.bases_device.index_select(0, tables) + rank).clamp_(max=max(region - 1, 0))
         chosen = torch.where(in_region, order.index_select(0, region_position), -1)
         overflow = int(count - take.sum())  # host sync
         if overflow:
@@ -251,9 +251,9 @@ class DeviceCache:
                 self.lower.give(evicted)
                 self.metrics.written_back_rows += int(evicted.dirty.sum())
             self.metrics.evicted_rows += int(occupied.numel())
+            # The index may still list them until the rebuild below: lookups check `valid`.
             self.valid.index_put_((occupied,), torch.zeros((), dtype=torch.bool, device=self.device))
             self.dirty.index_put_((occupied,), torch.zeros((), dtype=torch.bool, device=self.device))
-            self._rebuild_index()
         fetched = self.lower.take(tables.cpu(), ids.cpu())
         non_blocking = self.device.type == "cuda"
         self.weights.index_copy_(0, slots, fetched.weights.to(self.device, non_blocking=non_blocking))
