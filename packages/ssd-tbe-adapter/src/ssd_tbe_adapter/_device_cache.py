@@ -7,7 +7,10 @@ forwarded but not yet backwarded must stay where they are), and one last *trash*
 write to. The pool grows (at prefetch, between batches) when a batch needs more slots than are free or
 evictable, so any cache size is exact. Per slot: the row's weights (float32, padded to the widest table;
 fp16 tables hold fp16-rounded values), its row-wise optimizer state, its ``(table, id)``, valid, dirty and
-the tick of its last use (the step stamp: LRU victims, and protection of the batches in flight).
+the tick of its last use (the step stamp: protection of the batches in flight, recency) and a use count.
+Victims: aged LFU as the host cache (fewest uses, least recently used among equals; counts halved every 8
+turnovers of the slots), which keeps Zipf-hot rows where plain LRU lets each batch's one-off rows push them
+out.
 
 Index: the valid slots sorted by a 64-bit hash of ``(table, id)`` (invalid slots sort last); a lookup is one
 ``searchsorted`` plus a check of the slot's stored ``(table, id)``, so a hash collision could only make a
@@ -31,8 +34,9 @@ from ssd_tbe_adapter._optimizer import RowOptimizer
 
 __all__ = ["DeviceCache", "DeviceCacheMetrics"]
 
-_NEVER = 1 << 40  # priority of a protected slot (never a victim); ticks stay far below it
-_SPAN = 1 << 41  # > every priority + 1: region number * _SPAN + priority sorts region by region
+_TICK_BITS = 40  # last-use ticks stay far below 2**40
+_MAX_USES = (1 << 20) - 1
+_NEVER = 1 << 62  # priority of a protected slot (never a victim): above every (uses, tick) key
 _MAX_KEY = (1 << 63) - 1
 
 
@@ -57,6 +61,21 @@ class DeviceCacheMetrics:
     assigns_with_misses: int = 0
 
 
+def _unique_pairs(tables: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unique ``(table, id)`` pairs sorted by table then id, and the position of each input pair among them.
+
+    Two stable sorts and an adjacent compare (``torch.unique(dim=0)`` is several times slower); one sync (the
+    number of unique pairs)."""
+    order = torch.argsort(ids, stable=True)
+    order = order.index_select(0, torch.argsort(tables.index_select(0, order), stable=True))
+    sorted_tables, sorted_ids = tables.index_select(0, order), ids.index_select(0, order)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[1:] = (sorted_tables[1:] != sorted_tables[:-1]) | (sorted_ids[1:] != sorted_ids[:-1])
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.cumsum(first, 0) - 1)
+    starts = first.nonzero().flatten()
+    return sorted_tables.index_select(0, starts), sorted_ids.index_select(0, starts), inverse
+
+
 class DeviceCache:
     """Cached rows of every table on ``device`` over the tier ``lower``.
 
@@ -76,8 +95,12 @@ class DeviceCache:
     valid: torch.Tensor  # [S + 1] bool
     dirty: torch.Tensor  # [S + 1] bool: newer than the store
     stamp: torch.Tensor  # [S + 1] int64: tick of the last use
+    uses: torch.Tensor  # [S + 1] int64: lookups since the row came in (halved as it ages)
     sorted_keys: torch.Tensor  # [S + 1] int64: hash of each valid slot's (table, id), invalid ones last
     sorted_slots: torch.Tensor  # [S + 1] int64: the slot of each sorted key
+
+    aging_turnovers = 8
+    """Use counts are halved after this many turnovers of the slots (``S`` evictions each)."""
 
     def __init__(
         self,
@@ -103,6 +126,7 @@ class DeviceCache:
         self.dims_device = torch.tensor(self.dims, dtype=torch.float32, device=device)
         self.bases_device = torch.tensor(self.bases, dtype=torch.int64, device=device)
         self.metrics = DeviceCacheMetrics()
+        self._evicted_since_aging = 0
         self._allocate(self.region_size, keep=False)
 
     # ------------------------------------------------------------------ state
@@ -127,6 +151,7 @@ class DeviceCache:
         valid = torch.zeros(slots + 1, dtype=torch.bool, device=device)
         dirty = torch.zeros(slots + 1, dtype=torch.bool, device=device)
         stamp = torch.zeros(slots + 1, dtype=torch.int64, device=device)
+        uses = torch.zeros(slots + 1, dtype=torch.int64, device=device)
         if keep:
             n = self.slots  # the old slots, trash excluded
             for new, current in (
@@ -137,6 +162,7 @@ class DeviceCache:
                 (valid, self.valid),
                 (dirty, self.dirty),
                 (stamp, self.stamp),
+                (uses, self.uses),
             ):
                 new[:n] = current[:n]
                 if device.type == "cuda":
@@ -144,7 +170,7 @@ class DeviceCache:
                     current.record_stream(torch.cuda.current_stream(device))
         valid[slots] = False
         self.weights, self.state, self.slot_ids, self.slot_tables = weights, state, slot_ids, slot_tables
-        self.valid, self.dirty, self.stamp = valid, dirty, stamp
+        self.valid, self.dirty, self.stamp, self.uses = valid, dirty, stamp, uses
         self._rebuild_index()
 
     def _rebuild_index(self) -> None:
@@ -172,30 +198,33 @@ class DeviceCache:
 
     def assign(self, tables: torch.Tensor, ids: torch.Tensor, tick: int, protect: int) -> torch.Tensor:
         """Slots for every lookup ``(tables[i], ids[i])`` (``[N]`` int64, device): hits are touched at ``tick``,
-        unique misses are read from the tier below into free or evicted slots (victims: least recently used
-        slots last touched before ``protect``, the table's own first, then the scratch pool, grown if
+        unique misses are read from the tier below into free or evicted slots (victims: the least used, then
+        least recently used, slots last touched before ``protect``, the table's own first, then the scratch pool, grown if
         needed); evicted rows go down. Syncs with the host (miss count, missing ids, evicted rows).
         """
         self.metrics.assigns += 1
         slots = self.lookup(tables, ids)
         hit = slots >= 0
-        self.stamp.index_fill_(0, torch.where(hit, slots, self.trash), tick)
+        touched = torch.where(hit, slots, self.trash)
+        self.stamp.index_fill_(0, touched, tick)
+        self.uses.index_put_((touched,), torch.ones_like(touched), accumulate=True)
         miss_positions = (~hit).nonzero().flatten()  # host sync: the miss count
         if miss_positions.numel() == 0:
             return slots
         self.metrics.assigns_with_misses += 1
-        pairs = torch.stack([tables.index_select(0, miss_positions), ids.index_select(0, miss_positions)], 1)
-        # Sorted by table, then id: each table's misses are one run.
-        unique_pairs, inverse = torch.unique(pairs, dim=0, return_inverse=True)
-        miss_tables, miss_ids = unique_pairs[:, 0].contiguous(), unique_pairs[:, 1].contiguous()
+        miss_tables, miss_ids, inverse = _unique_pairs(
+            tables.index_select(0, miss_positions), ids.index_select(0, miss_positions)
+        )
         new_slots = self._place(miss_tables, miss_ids, tick, protect)
         return slots.index_copy(0, miss_positions, new_slots.index_select(0, inverse))
 
     def _priorities(self, start: int, stop: int, protect: int) -> torch.Tensor:
-        """Victim priority of slots ``[start, stop)``: -1 free, else the last-use tick, ``_NEVER`` if protected."""
+        """Victim priority of slots ``[start, stop)`` (lowest first): -1 free, else (uses, last-use tick) as one
+        int64, ``_NEVER`` if protected (used at or after ``protect``)."""
         stamp = self.stamp[start:stop]
+        key = (self.uses[start:stop].clamp(max=_MAX_USES) << _TICK_BITS) + stamp
         return torch.where(
-            stamp >= protect, _NEVER, torch.where(self.valid[start:stop], stamp, torch.full_like(stamp, -1))
+            stamp >= protect, _NEVER, torch.where(self.valid[start:stop], key, torch.full_like(stamp, -1))
         )
 
     def _place(self, tables: torch.Tensor, ids: torch.Tensor, tick: int, protect: int) -> torch.Tensor:
@@ -206,7 +235,10 @@ class DeviceCache:
         region = self.region_size
         if region:
             priority = self._priorities(0, region, protect)
-            order = torch.argsort(self.region_of_slot * _SPAN + priority + 1)
+            order = torch.argsort(priority, stable=True)  # then region by region, keeping that order
+            order = order.index_select(
+                0, torch.argsort(self.region_of_slot.index_select(0, order), stable=True)
+            )
             choosable = torch.zeros(self.num_tables, dtype=torch.int64, device=device).index_add_(
                 0, self.region_of_slot, (priority < _NEVER).to(torch.int64)
             )
@@ -251,6 +283,10 @@ class DeviceCache:
                 self.lower.give(evicted)
                 self.metrics.written_back_rows += int(evicted.dirty.sum())
             self.metrics.evicted_rows += int(occupied.numel())
+            self._evicted_since_aging += int(occupied.numel())
+            if self._evicted_since_aging >= self.aging_turnovers * max(self.slots, 1):
+                self.uses.bitwise_right_shift_(1)  # old popularity fades
+                self._evicted_since_aging = 0
             # The index may still list them until the rebuild below: lookups check `valid`.
             self.valid.index_put_((occupied,), torch.zeros((), dtype=torch.bool, device=self.device))
             self.dirty.index_put_((occupied,), torch.zeros((), dtype=torch.bool, device=self.device))
@@ -263,6 +299,7 @@ class DeviceCache:
         self.slot_tables.index_copy_(0, slots, tables)
         self.valid.index_put_((slots,), torch.ones((), dtype=torch.bool, device=self.device))
         self.stamp.index_fill_(0, slots, tick)
+        self.uses.index_fill_(0, slots, 1)
         self._rebuild_index()
         count = ids.numel()
         self.metrics.inserted_rows += count
@@ -322,6 +359,7 @@ class DeviceCache:
         self.valid.zero_()
         self.dirty.zero_()
         self.stamp.zero_()
+        self.uses.zero_()
         self._rebuild_index()
         self.lower.clear()
 
