@@ -36,6 +36,7 @@ from ssd_tbe_adapter import (
     StoreClosedError,
     StoreCorruptError,
     StoreIOError,
+    StoreOpenError,
     TableChunk,
     TableSpec,
 )
@@ -828,7 +829,8 @@ def test_source_raises_only_package_errors() -> None:
 
 
 def test_rocksdb_store_is_a_context_manager(tmp_path: Path) -> None:
-    """`with RocksDBStore(path) as store` closes (and flushes) the store at the end of the block."""
+    """`with RocksDBStore(path) as store` (and `with KeyValueEmbeddingBags(...)`) closes and flushes at the end of
+    the block."""
     with RocksDBStore(tmp_path / "db") as store:
         store.put(torch.tensor([3]), torch.full((1, 4), 9, dtype=torch.uint8))
     with pytest.raises(StoreClosedError):
@@ -841,6 +843,10 @@ def test_rocksdb_store_is_a_context_manager(tmp_path: Path) -> None:
         memory.put(torch.tensor([1]), torch.zeros(1, 4, dtype=torch.uint8))
     with pytest.raises(StoreClosedError):
         memory.flush()
+    with make_module(RocksDBStore(tmp_path / "kv")) as module:
+        module.restore(chunks_with(1.0, 5))
+    with pytest.raises(StoreClosedError):
+        module.store.flush()
 
 
 def test_close_waits_for_chunk_iterators_and_ends_them(tmp_path: Path) -> None:
@@ -873,3 +879,34 @@ def test_close_waits_for_chunk_iterators_and_ends_them(tmp_path: Path) -> None:
     assert outcome in (["closed"], ["finished 20000"])
     with pytest.raises(StoreClosedError, match="closed"):
         next(paused)
+
+
+def test_at_last_flush_refuses_a_store_open_in_another_process(tmp_path: Path) -> None:
+    """Rolling back a store that another process has open raises StoreOpenError and touches no file."""
+    path = tmp_path / "db"
+    with RocksDBStore(path) as store:
+        store.put(torch.arange(3), torch.ones(3, 4, dtype=torch.uint8))
+        store.flush()
+        store.put(torch.arange(3, 6), torch.ones(3, 4, dtype=torch.uint8))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import rocksdict, sys, time; db = rocksdict.Rdict(sys.argv[1]); print('OPEN', flush=True); time.sleep(60)",
+            str(path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "OPEN"
+        with pytest.raises(StoreOpenError, match="open in another process"):
+            RocksDBStore(path, at_last_flush=True)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    with RocksDBStore(path) as store:  # closing flushed all six rows
+        assert sum(ids.numel() for ids, _ in store.iter_chunks(table=0, chunk_rows=10)) == 6
+    with pytest.raises(StoreOpenError, match="no completed flush"):
+        RocksDBStore(tmp_path / "fresh", at_last_flush=True)

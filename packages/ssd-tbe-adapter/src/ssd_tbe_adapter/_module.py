@@ -514,7 +514,11 @@ class KeyValueEmbeddingBags(nn.Module):
         )
 
     def close(self) -> None:
-        """Flush, stop the prefetch thread and close the store; idempotent."""
+        """Flush, stop the prefetch thread and close the store; idempotent. Also the end of a ``with`` block.
+
+        Raises:
+            DiskFullError: the final flush found no space; the module stays open (close again once freed).
+        """
         if self._closed:
             return
         self.flush()
@@ -524,15 +528,28 @@ class KeyValueEmbeddingBags(nn.Module):
         self._tier.store.close()
         self._closed = True
 
+    def __enter__(self) -> KeyValueEmbeddingBags:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Close (flush, stop the prefetch threads, close the store) at the end of a ``with`` block."""
+        self.close()
+
     def extra_repr(self) -> str:
         """Tables, optimizer and cache sizes."""
         tables = ", ".join(f"{t.name}:{t.dim}" for t in self._tables)
         return (
             f"tables=[{tables}], optimizer={self.optimizer}, lr={self.learning_rate}, pooling={self.pooling}, "
-            f"precision={self.weights_precision}, cache_rows={[c.capacity for c in self._tier.caches]}, device={self._device}"
+            f"precision={self.weights_precision}, cache_rows={self._cache_rows()}, device={self._device}"
         )
 
     # ------------------------------------------------------------------ helpers
+
+    def _cache_rows(self) -> list[int]:
+        """Cache slots per table (the device cache's when it manages the cache)."""
+        if self._device_path is not None:
+            return list(self._device_path.cache.capacities)
+        return [c.capacity for c in self._tier.caches]
 
     def _check_open(self) -> None:
         if self._closed:

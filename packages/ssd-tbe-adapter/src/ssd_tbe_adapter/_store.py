@@ -8,6 +8,7 @@ contiguous key range (checkpoints stream it with a single iterator).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import json
 import os
@@ -36,6 +37,11 @@ from ssd_tbe_adapter.errors import (
 )
 
 __all__ = ["MemoryStore", "RocksDBStore"]
+
+try:
+    fcntl: Any = importlib.import_module("fcntl")
+except ImportError:  # pragma: no cover - not a POSIX host
+    fcntl = None
 
 _KEY_DTYPE = np.dtype([("table", ">u4"), ("id", ">u8")])
 _KEY_BYTES = _KEY_DTYPE.itemsize
@@ -341,9 +347,36 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     fsync_directory(path.parent)
 
 
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold RocksDB's ``LOCK`` file of ``path`` (the ``fcntl`` lock RocksDB takes), so that no other process has
+    the database open while its files are replaced."""
+    if fcntl is None:  # pragma: no cover - not a POSIX host
+        yield
+        return
+    descriptor = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            raise StoreOpenError(
+                f"store `path` {str(path)!r} is open in another process: cannot roll it back to its last flush"
+            ) from error
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
+
+
 def _rollback_to_last_flush(path: Path) -> None:
     """Replace the database files of ``path`` by the checkpoint of its last completed flush (idempotent: a
     rollback interrupted by a crash is redone from the untouched checkpoint by the next open)."""
+    if not (path / _FLUSH_FILE).is_file() and not (path / _ROLLBACK_FILE).is_file():
+        raise StoreOpenError(f"store `path` {str(path)!r} has no completed flush to go back to")
+    with _exclusive(path):
+        _replace_by_last_flush(path)
+
+
+def _replace_by_last_flush(path: Path) -> None:
     state = _read_json(path / _ROLLBACK_FILE) or _read_json(path / _FLUSH_FILE)
     if state is None or not state.get("checkpoint"):
         raise StoreOpenError(
@@ -495,6 +528,8 @@ class RocksDBStore:
         if at_last_flush or (self._path / _ROLLBACK_FILE).is_file():
             try:
                 _rollback_to_last_flush(self._path)
+            except SSDTBEAdapterError:
+                raise
             except OSError as error:
                 raise io_error(
                     error, f"rolling store `path` {str(self._path)!r} back to its last flush"
