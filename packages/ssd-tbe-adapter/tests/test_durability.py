@@ -910,3 +910,42 @@ def test_at_last_flush_refuses_a_store_open_in_another_process(tmp_path: Path) -
         assert sum(ids.numel() for ids, _ in store.iter_chunks(table=0, chunk_rows=10)) == 6
     with pytest.raises(StoreOpenError, match="no completed flush"):
         RocksDBStore(tmp_path / "fresh", at_last_flush=True)
+
+
+READ_ONLY_CHILD = textwrap.dedent(
+    """
+    import subprocess, sys, torch
+    from ssd_tbe_adapter import StoreIOError, StoreOpenError, RocksDBStore
+    mnt = sys.argv[1]
+    with RocksDBStore(mnt + "/db") as store:
+        store.put(torch.arange(2), torch.ones(2, 4, dtype=torch.uint8))
+    subprocess.run(["mount", "-o", "remount,ro", mnt], check=True)
+    for path in (mnt + "/db", mnt + "/new"):
+        try:
+            RocksDBStore(path)
+        except StoreOpenError as error:
+            assert "read-only" in str(error).lower(), error
+            assert "corrupt" not in str(error), error
+        else:
+            raise AssertionError("opened a store on a read-only filesystem")
+    print("REFUSED", flush=True)
+    """
+)
+
+
+def test_read_only_directory_is_a_clear_open_error(tmp_path: Path) -> None:
+    """A store on a read-only filesystem (existing or to be created) raises StoreOpenError saying so, not
+    "corrupt, locked, or not a RocksDB database" or a raw OSError."""
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    if not _can_mount_tmpfs(mount):
+        pytest.skip("cannot mount a tmpfs here (no unshare or no user namespaces)")
+    script = f'mount -t tmpfs -o size=4m tmpfs {mount} && exec "$0" -c "$1" {mount}'
+    child = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, sys.executable, READ_ONLY_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split() == ["REFUSED"], child.stderr

@@ -8,6 +8,7 @@ contiguous key range (checkpoints stream it with a single iterator).
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import itertools
 import json
@@ -545,9 +546,11 @@ class RocksDBStore:
             )
         try:
             self._path.mkdir(parents=True, exist_ok=True)
-        except PermissionError as error:
-            raise StoreOpenError(f"cannot create store `path` {str(self._path)!r}: {error}") from error
         except OSError as error:
+            if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise StoreOpenError(
+                    f"no permission to create store `path` {str(self._path)!r} (read-only directory?): {error}"
+                ) from error
             raise io_error(error, f"creating store `path` {str(self._path)!r}") from error
         options = rocksdict.Options(raw_mode=True)
         options.create_if_missing(create_if_missing)
