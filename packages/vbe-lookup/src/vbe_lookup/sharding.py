@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from vbe_lookup import _fbgemm
+from vbe_lookup import _fbgemm, _sharded_state
 from vbe_lookup._dist_comm import Communicator
 from vbe_lookup._dist_input import DistributedFeatures, InputDist, InputDistHandle
 from vbe_lookup._dist_output import PooledOutputDist, SequenceOutputDist
@@ -405,6 +405,14 @@ class _ShardedModule(nn.Module):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ state dict
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's tables as ``ShardedTensor`` views for DCP (no copy, no collective): see ``_sharded_state``."""
+        return dict(_sharded_state.sharded_state_dict(self))
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Copy a DCP-loaded :meth:`sharded_state_dict` into the kernels (a no-op where loaded in place)."""
+        _sharded_state.load_sharded_state_dict(self, state)
+
     def _exporting_kernels(self) -> list[tuple[KernelSpec, EmbeddingKernel]]:
         """Kernels whose tables can be read and written as plain rows (``split_embedding_weights()``)."""
         return [
