@@ -418,6 +418,31 @@ def test_two_forwards_before_their_backwards_and_odd_inputs() -> None:
     )
 
 
+def test_skipped_prefetch_is_retired_and_an_unprefetched_forward_shifts_nothing() -> None:
+    """A prefetched batch that never comes is retired by the next matching forward; a forward nobody
+    prefetched leaves the queue alone, so later forwards still find their prefetches (and stay exact)."""
+    batches = make_batches(5, vbe=False)
+    module = make_module("cpu", on_device=True, cache_rows=2)
+    reference = Reference("rowwise_adagrad", "sum", False)
+    module.prefetch(batches[0].indices, batches[0].offsets)  # never forwarded
+    module.prefetch(batches[1].indices, batches[1].offsets)
+    module.prefetch(batches[3].indices, batches[3].offsets)
+    for step in (1, 2, 3):
+        b = batches[step]
+        out = module(b.indices, b.offsets, b.psw)
+        want, _ = reference.step(b, 1000 + step)
+        torch.testing.assert_close(out.detach(), want, atol=1e-5, rtol=1e-5)
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1000 + step))
+        torch.autograd.backward((out * probe).sum())
+    m = module.metrics()
+    assert m["forwards_without_prefetch"] == 1  # batch 2 only
+    assert m["prefetches"] == 3
+    for (table, i), (w, _) in stored_rows(module).items():
+        t = [spec.name for spec in TABLES].index(table)
+        torch.testing.assert_close(w, reference.weights[t][reference.row[i]], atol=1e-5, rtol=1e-5)
+    module.close()
+
+
 class FailingStore(MemoryStore):
     """A memory store whose next ``failures`` reads and next ``put_failures`` writes raise ``StoreIOError``."""
 
@@ -456,8 +481,14 @@ def test_failed_prefetch_store_call_surfaces_at_forward_and_loses_no_update(fail
             module.prefetch(b.indices, b.offsets)
             with pytest.raises(StoreIOError, match="injected"):
                 module.wait_prefetch()
+            module.wait_prefetch()  # raised once, then dropped
+            if failing == "read":
+                store.failures = 1
+            else:
+                store.put_failures = 1
+            module.prefetch(b.indices, b.offsets)
             with pytest.raises(StoreIOError, match="injected"):
-                module(b.indices, b.offsets, b.psw)
+                module(b.indices, b.offsets, b.psw)  # the forward of the failed prefetch's batch
         out = module(b.indices, b.offsets, b.psw)
         want, _ = reference.step(b, 1000 + step)
         torch.testing.assert_close(out.detach(), want, atol=1e-5, rtol=1e-5)

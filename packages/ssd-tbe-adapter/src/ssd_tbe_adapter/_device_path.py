@@ -37,12 +37,16 @@ from ssd_tbe_adapter._tier import CacheTier
 
 __all__ = ["DevicePath"]
 
+# Pending prefetches beyond this many (batches no forward came for) are retired, oldest first, so that the
+# rows they protect do not pile up.
+_MAX_PENDING = 16
+
 
 @dataclass(eq=False)  # no slots: weakref.finalize needs a __weakref__ (weakref_slot is Python 3.11+)
 class _Batch:
     """One batch's lookups mapped to cache slots (device tensors) and its protection tick."""
 
-    indices: torch.Tensor  # the caller's tensor (forward reuses a prefetch only for the same objects)
+    indices: torch.Tensor  # the caller's tensor (see _same_batch for which forward reuses the prefetch)
     offsets: torch.Tensor
     host_offsets: torch.Tensor  # [bags + 1] int64 host: offsets as checked by the plan
     slots: torch.Tensor  # [N] int64: cache slot of each lookup
@@ -51,6 +55,19 @@ class _Batch:
     bag_of_lookup: torch.Tensor  # [N] int64
     tick: int
     version: int  # indices._version at prefetch: an in-place change of the ids voids the prefetch
+    num_bags: list[int]  # per feature
+
+
+@dataclass(eq=False)
+class _Failed:
+    """A prefetch whose store call raised: its batch (to match the forward that raises it) and the error."""
+
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    host_offsets: torch.Tensor
+    num_bags: list[int]
+    version: int
+    error: Exception
 
 
 class DevicePath:
@@ -88,7 +105,7 @@ class DevicePath:
         self.cache = DeviceCache(capacities, dims, device, lower, round_fp16=round_fp16)
         self._tick = 0
         self._open: set[int] = set()  # ticks of batches whose rows must not move
-        self._pending: deque[_Batch | BaseException] = deque()
+        self._pending: deque[_Batch | _Failed] = deque()
         self._tables_of_bags: dict[tuple[int, ...], torch.Tensor] = {}
         self._main_event: Any = None
         self._insert_event: Any = None
@@ -102,20 +119,53 @@ class DevicePath:
     def prefetch(
         self, indices: torch.Tensor, offsets: torch.Tensor, batch_sizes: list[list[int]] | None
     ) -> None:
-        """Map a future batch to slots now (rows move in on the current stream); errors surface at the
-        forward that would have used it (or :meth:`wait`)."""
+        """Map a future batch to slots now (rows move in on the current stream); a store error is kept and
+        raised by the forward of that batch or by :meth:`wait`, once."""
         plan, _ = self._plan(indices, offsets, None, batch_sizes, None, None, None)
         self.counters["prefetches"] += 1
         try:
             self._pending.append(self._assign(plan, indices, offsets, "prefetched_rows"))
-        except Exception as error:  # the store's error, raised again at the next forward
-            self._pending.append(error)
+        except Exception as error:  # no tier changed (see DeviceCache._move_in): nothing to undo
+            self._pending.append(
+                _Failed(
+                    indices=indices,
+                    offsets=offsets,
+                    host_offsets=plan.offsets,
+                    num_bags=plan.num_bags,
+                    version=indices._version,
+                    error=error,
+                )
+            )
+        while len(self._pending) > _MAX_PENDING:  # prefetches no forward came for
+            self._retire(self._pending.popleft())
 
-    def wait(self) -> None:
-        """Prefetches run at their call; raise what a queued one raised (it stays queued)."""
-        for item in self._pending:
-            if isinstance(item, BaseException):
-                raise item
+    def wait(self, *, raise_failed: bool = True) -> None:
+        """Prefetches run at their call: drop the failed ones; raise the first one's error when ``raise_failed``
+        (once: it is dropped)."""
+        failed = [item for item in self._pending if isinstance(item, _Failed)]
+        for item in failed:
+            self._pending.remove(item)
+        if failed and raise_failed:
+            raise failed[0].error
+
+    def _retire(self, item: _Batch | _Failed) -> None:
+        if isinstance(item, _Batch):
+            self._open.discard(item.tick)
+
+    def _find(
+        self, indices: torch.Tensor, offsets: torch.Tensor, batch_sizes: list[list[int]] | None
+    ) -> int | None:
+        """Position of the first pending prefetch of this forward's batch, ``None`` when none is."""
+        try:
+            if batch_sizes is not None:
+                num_bags = [sum(sizes) for sizes in batch_sizes]
+            else:
+                num_bags = [(offsets.numel() - 1) // len(self._ftm)] * len(self._ftm)
+        except TypeError:  # malformed sizes: plan_batch says what is wrong
+            return None
+        return next(
+            (k for k, item in enumerate(self._pending) if _same_batch(item, indices, offsets, num_bags)), None
+        )
 
     def forward(
         self,
@@ -129,19 +179,29 @@ class DevicePath:
         optimizer: RowOptimizer,
         pooling: Literal["sum", "mean"],
     ) -> torch.Tensor:
-        """The pooled lookup (see :meth:`KeyValueEmbeddingBags.forward`)."""
-        pending = self._pending[0] if self._pending else None
-        reuse = isinstance(pending, _Batch) and _same_batch(pending, indices, offsets)
-        host_offsets = cast(_Batch, pending).host_offsets if reuse else None
+        """The pooled lookup (see :meth:`KeyValueEmbeddingBags.forward`).
+
+        Uses the first pending prefetch of this batch (earlier ones are retired: their batches never came);
+        without one the queue stays as it is and the batch gets its slots here (host syncs)."""
+        match = self._find(indices, offsets, batch_sizes)
+        # The plan before the queue changes (bad input raises first); with a prefetch, its host offsets.
         plan, _ = self._plan(
-            indices, offsets, per_sample_weights, batch_sizes, vbe_output, vbe_output_offsets, host_offsets
+            indices,
+            offsets,
+            per_sample_weights,
+            batch_sizes,
+            vbe_output,
+            vbe_output_offsets,
+            self._pending[match].host_offsets if match is not None else None,
         )
-        if self._pending:
-            item = self._pending.popleft()
-            if isinstance(item, BaseException):
-                raise item
-            if not reuse:
-                self._open.discard(item.tick)
+        pending: _Batch | _Failed | None = None
+        if match is not None:
+            for _ in range(match):
+                self._retire(self._pending.popleft())
+            pending = self._pending.popleft()
+        if isinstance(pending, _Failed):
+            raise pending.error
+        reuse = pending is not None
         self.counters["forwards"] += 1
         if reuse:
             batch = cast(_Batch, pending)
@@ -287,6 +347,7 @@ class DevicePath:
             bag_of_lookup=bag_of_lookup,
             tick=tick,
             version=indices._version,
+            num_bags=list(plan.num_bags),
         )
 
     def release(self, batch: _Batch) -> None:
@@ -396,13 +457,16 @@ def _bag_of_lookup(offsets: torch.Tensor, lookups: int) -> torch.Tensor:
     return torch.repeat_interleave(bags, lengths, output_size=lookups)
 
 
-def _same_batch(batch: _Batch, indices: torch.Tensor, offsets: torch.Tensor) -> bool:
+def _same_batch(
+    batch: _Batch | _Failed, indices: torch.Tensor, offsets: torch.Tensor, num_bags: list[int] | None
+) -> bool:
     """Whether ``forward(indices, offsets)`` is the batch ``batch`` was prefetched for, without a sync: the
     same tensors, or ``indices`` over the very same memory (the prefetch holds it alive, so no other batch
     can be there; the version counter rules out in-place changes) and ``offsets`` of the same length (a
-    sharded module slices its ids again and rebuilds the offsets for each call)."""
+    sharded module slices its ids again and rebuilds the offsets for each call); ``num_bags`` (per feature,
+    when known) must agree too."""
     mine = batch.indices
-    if indices._version != batch.version:
+    if indices._version != batch.version or (num_bags is not None and num_bags != batch.num_bags):
         return False
     if mine is indices and batch.offsets is offsets:
         return True

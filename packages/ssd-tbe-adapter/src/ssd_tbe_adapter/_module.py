@@ -317,7 +317,7 @@ class KeyValueEmbeddingBags(nn.Module):
         """
         self._check_open()
         if self._device_path is not None:
-            self._device_path.wait()
+            self._device_path.wait(raise_failed=False)
         self._prefetcher.wait(raise_failed=False)
         if self._device_path is not None:
             self._device_path.flush()
