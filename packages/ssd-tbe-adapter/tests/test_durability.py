@@ -42,6 +42,8 @@ from ssd_tbe_adapter import (
 )
 
 TABLES = [TableSpec("a", 4), TableSpec("b", 3)]
+# Both cache paths: the host cache and the device-managed cache (run on the CPU here).
+CACHE_PATHS = pytest.mark.parametrize("cache_on_device", [False, True], ids=["host-cache", "device-cache"])
 
 
 def rows_of(module: KeyValueEmbeddingBags) -> dict[tuple[str, int], list[float]]:
@@ -414,12 +416,15 @@ class FullDiskStore:
         self.inner.close()
 
 
-def test_full_disk_is_recoverable_and_drops_no_dirty_row(tmp_path: Path) -> None:
+@CACHE_PATHS
+def test_full_disk_is_recoverable_and_drops_no_dirty_row(tmp_path: Path, cache_on_device: bool) -> None:
     """While the disk is full, flush/checkpoint/save_checkpoint/close and an evicting forward raise
     DiskFullError (an OSError with errno ENOSPC and a package error) and lose nothing: once space is back they
     all work and every row equals a twin that never saw a full disk (the dirty cached rows included)."""
     store = FullDiskStore(RocksDBStore(tmp_path / "db"))
-    module = KeyValueEmbeddingBags(TABLES, None, store, cache_rows=2000, optimizer="rowwise_adagrad")
+    module = KeyValueEmbeddingBags(
+        TABLES, None, store, cache_rows=2000, optimizer="rowwise_adagrad", cache_on_device=cache_on_device
+    )
     twin = KeyValueEmbeddingBags(TABLES, None, MemoryStore(), cache_rows=2000, optimizer="rowwise_adagrad")
     gen = torch.Generator().manual_seed(0)
 
@@ -606,7 +611,9 @@ def test_load_state_dict_onto_another_store_warns_that_no_row_moved(tmp_path: Pa
 # ---------------------------------------------------------------------------- 7, 8, 9: prefetch
 
 
-def sgd_module(store: KVStore | None = None, cache_rows: int = 64) -> KeyValueEmbeddingBags:
+def sgd_module(
+    store: KVStore | None = None, cache_rows: int = 64, cache_on_device: bool = False
+) -> KeyValueEmbeddingBags:
     return KeyValueEmbeddingBags(
         [TableSpec("t", 2)],
         None,
@@ -615,6 +622,7 @@ def sgd_module(store: KVStore | None = None, cache_rows: int = 64) -> KeyValueEm
         optimizer="sgd",
         learning_rate=1.0,
         init_range=(0.0, 0.0),
+        cache_on_device=cache_on_device,
     )
 
 
@@ -638,10 +646,11 @@ def test_prefetch_then_indices_changed_in_place_updates_the_ids_forward_used() -
     assert module.metrics()["forwards_without_prefetch"] == 1
 
 
-def test_skipped_prefetch_does_not_desync_the_queue() -> None:
+@CACHE_PATHS
+def test_skipped_prefetch_does_not_desync_the_queue(cache_on_device: bool) -> None:
     """Prefetching one batch ahead with one prefetch skipped and one stale prefetch never consumed: every other
     forward still uses its own prefetch (the queue re-aligns), and every update lands exactly once."""
-    module = sgd_module(cache_rows=32)
+    module = sgd_module(cache_rows=32, cache_on_device=cache_on_device)
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 40, (8,), generator=gen) for _ in range(30)]
     offsets = torch.tensor([0, 8])
@@ -674,11 +683,12 @@ class FlakyStore(MemoryStore):
         return super().get(ids, out, table=table)
 
 
-def test_flush_and_close_work_after_a_failed_prefetch() -> None:
+@CACHE_PATHS
+def test_flush_and_close_work_after_a_failed_prefetch(cache_on_device: bool) -> None:
     """A prefetch whose store read failed: wait_prefetch raises its error once, the forward of that batch
     reads its rows itself once the store works, and flush and close work (no row lost)."""
     store = FlakyStore()
-    module = sgd_module(store, cache_rows=4)
+    module = sgd_module(store, cache_rows=4, cache_on_device=cache_on_device)
     module(torch.arange(8), torch.tensor([0, 8])).sum().backward()  # dirty rows, some written back
     store.broken = True
     module.prefetch(torch.arange(20, 28), torch.tensor([0, 8]))

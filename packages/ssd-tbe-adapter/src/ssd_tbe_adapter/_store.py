@@ -671,7 +671,12 @@ class RocksDBStore:
             yield self._db
         except SSDTBEAdapterError:
             raise
-        except Exception as error:  # rocksdict raises plain Exception for every RocksDB status
+        except Exception as error:
+            # rocksdict raises plain Exception for every RocksDB status; anything else is a bug, not the store's.
+            if type(error) is not Exception and not isinstance(
+                error, (OSError, self._rocksdict.DbClosedError)
+            ):
+                raise
             mapped = _classify(error, self._path, action)
             if isinstance(mapped, (DiskFullError, StoreIOError)):
                 with self._state:
