@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import errno
+import json
 import os
 import shutil
 import signal
@@ -959,3 +960,36 @@ def test_read_only_directory_is_a_clear_open_error(tmp_path: Path) -> None:
     )
     assert child.returncode == 0, child.stderr
     assert child.stdout.split() == ["REFUSED"], child.stderr
+
+
+def test_format_1_checkpoint_still_loads_and_a_truncated_one_names_its_file(tmp_path: Path) -> None:
+    """A checkpoint written before checksums (format 1: chunk files beside the manifest) loads; a truncated
+    chunk of one raises CheckpointCorruptError naming the file (was `EOFError('')`), live rows untouched."""
+    module = make_module()
+    directory = tmp_path / "old"
+    directory.mkdir()
+    files = []
+    for number, chunk in enumerate(chunks_with(3.0, 20)):
+        name = f"chunk-{number:06d}.pt"
+        torch.save(
+            {
+                "table": chunk.table,
+                "ids": chunk.ids,
+                "weights": chunk.weights,
+                "state": chunk.optimizer_state,
+            },
+            directory / name,
+        )
+        files.append(name)
+    config = {key: value for key, value in module.get_extra_state().items() if key != "store_id"}
+    manifest = {"format": 1, **config, "files": files, "rows": 40}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    assert module.load_checkpoint(directory) == 40
+    assert rows_of(module) == expected_rows(3.0, 20)
+    data = (directory / files[1]).read_bytes()
+    (directory / files[1]).write_bytes(data[:100])
+    live = make_module()
+    live.restore(chunks_with(4.0, 5))
+    with pytest.raises(CheckpointCorruptError, match=files[1]):
+        live.load_checkpoint(directory)
+    assert rows_of(live) == expected_rows(4.0, 5)
