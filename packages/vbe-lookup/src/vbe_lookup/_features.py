@@ -9,7 +9,13 @@ import torch
 
 from vbe_lookup.errors import BatchLayoutError, InvalidFeaturesError
 
-__all__ = ["VBEFeatures", "complete_cumsum"]
+__all__ = [
+    "VBEFeatures",
+    "check_length_per_key",
+    "check_offsets",
+    "check_tensors",
+    "complete_cumsum",
+]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -36,7 +42,9 @@ class VBEFeatures:
         weights: optional ``[N]`` float per-id weights, on the device of ``values``.
         length_per_key: optional host-side ``[F]`` number of ids per feature. When the producer knows
             it (the input all-to-all does), passing it lets a lookup over several kernels split the ids
-            without a device-to-host copy. It is trusted (checked only when ids are validated).
+            without a device-to-host copy. Its size and total are checked here; each entry is checked
+            against ``lengths`` whenever the lookup checks ids (see ``GroupedVBELookup``'s
+            ``check_indices``).
 
     The object is immutable; tensors are shared, never copied. Only shapes are checked here (no host
     sync); the lookup validates contents.
@@ -203,14 +211,7 @@ def _check(
     if len(set(keys)) != len(keys):
         dup = sorted({k for k in keys if keys.count(k) > 1})
         raise InvalidFeaturesError(f"`keys` must be unique; {', '.join(dup)} repeat (keys: {list(keys)})")
-    if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.dtype not in _INDEX_DTYPES:
-        raise InvalidFeaturesError(f"`values` must be a 1-D int32/int64 tensor, got {_describe(values)}")
-    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 or lengths.dtype not in _INDEX_DTYPES:
-        raise InvalidFeaturesError(f"`lengths` must be a 1-D int32/int64 tensor, got {_describe(lengths)}")
-    if lengths.device != values.device:
-        raise InvalidFeaturesError(
-            f"`lengths` is on {lengths.device} but `values` is on {values.device}; both must share a device"
-        )
+    check_tensors(values, lengths, weights)
     if len(stride) != len(keys):
         raise BatchLayoutError(
             f"`stride_per_key_per_rank` has {len(stride)} rows but there are {len(keys)} `keys`; "
@@ -232,6 +233,25 @@ def _check(
             f"`lengths` has {lengths.numel()} entries but `stride_per_key_per_rank` sums to {bags} bags "
             f"({[list(r) for r in stride]}); expected one length per bag"
         )
+    if length_per_key is not None:
+        check_length_per_key(length_per_key, len(keys), values.numel())
+
+
+def check_tensors(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None) -> None:
+    """Dtype, rank, shape and device of ``values``, ``lengths`` and ``weights``: O(1), no host sync.
+
+    Raises:
+        InvalidFeaturesError: ids or lengths that are not 1-D int32/int64, weights that are not a float
+            tensor shaped like ``values``, or tensors on different devices.
+    """
+    if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.dtype not in _INDEX_DTYPES:
+        raise InvalidFeaturesError(f"`values` must be a 1-D int32/int64 tensor, got {_describe(values)}")
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 or lengths.dtype not in _INDEX_DTYPES:
+        raise InvalidFeaturesError(f"`lengths` must be a 1-D int32/int64 tensor, got {_describe(lengths)}")
+    if lengths.device != values.device:
+        raise InvalidFeaturesError(
+            f"`lengths` is on {lengths.device} but `values` is on {values.device}; both must share a device"
+        )
     if weights is not None:
         if (
             not isinstance(weights, torch.Tensor)
@@ -243,13 +263,36 @@ def _check(
             )
         if weights.device != values.device:
             raise InvalidFeaturesError(f"`weights` is on {weights.device} but `values` is on {values.device}")
-    if length_per_key is not None:
-        if len(length_per_key) != len(keys):
-            raise BatchLayoutError(f"`length_per_key` has {len(length_per_key)} entries for {len(keys)} keys")
-        if sum(length_per_key) != values.numel():
-            raise BatchLayoutError(
-                f"`length_per_key` sums to {sum(length_per_key)} but `values` holds {values.numel()} ids"
-            )
+
+
+def check_offsets(offsets: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Dtype, shape and device of a producer's ``offsets`` (its contents are checked with the ids).
+
+    Raises:
+        InvalidFeaturesError: offsets that are not a 1-D int32/int64 tensor on the lengths' device.
+        BatchLayoutError: offsets whose size is not ``len(lengths) + 1``.
+    """
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype not in _INDEX_DTYPES:
+        raise InvalidFeaturesError(f"`offsets` must be a 1-D int32/int64 tensor, got {_describe(offsets)}")
+    if offsets.device != lengths.device:
+        raise InvalidFeaturesError(f"`offsets` is on {offsets.device} but `lengths` is on {lengths.device}")
+    if offsets.numel() != lengths.numel() + 1:
+        raise BatchLayoutError(
+            f"`offsets` has {offsets.numel()} entries; expected len(lengths) + 1 = {lengths.numel() + 1}"
+        )
+
+
+def check_length_per_key(length_per_key: Sequence[int], num_keys: int, num_ids: int) -> None:
+    """Size and total of a host-side ``length_per_key`` (each entry is checked with the ids).
+
+    Raises:
+        BatchLayoutError: not one entry per key, or entries that do not sum to the number of ids.
+    """
+    if len(length_per_key) != num_keys:
+        raise BatchLayoutError(f"`length_per_key` has {len(length_per_key)} entries for {num_keys} keys")
+    total = sum(length_per_key)
+    if total != num_ids:
+        raise BatchLayoutError(f"`length_per_key` sums to {total} but `values` holds {num_ids} ids")
 
 
 def _describe(obj: object) -> str:

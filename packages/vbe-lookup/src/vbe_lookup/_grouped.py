@@ -19,7 +19,13 @@ from torch import nn
 
 from vbe_lookup import _fbgemm
 from vbe_lookup._compat import eager_only
-from vbe_lookup._features import VBEFeatures, complete_cumsum
+from vbe_lookup._features import (
+    VBEFeatures,
+    check_length_per_key,
+    check_offsets,
+    check_tensors,
+    complete_cumsum,
+)
 from vbe_lookup._torch_kernel import GRANULE_ATTRIBUTE, TorchEmbeddingKernel
 from vbe_lookup.errors import (
     BatchLayoutError,
@@ -31,10 +37,11 @@ from vbe_lookup.errors import (
 )
 from vbe_lookup.interfaces import EmbeddingKernel, KeyedJaggedTensorLike
 
-__all__ = ["CheckIndices", "GroupedVBELookup", "KernelGroup", "Merge", "VBEOutput"]
+__all__ = ["CheckIndices", "GroupedVBELookup", "KernelGroup", "KernelPooling", "Merge", "VBEOutput"]
 
 Merge = Literal["preallocated", "legacy"]
-CheckIndices = Literal["auto", "always", "never"]
+CheckIndices = Literal["auto", "always", "deferred", "never"]
+KernelPooling = Literal["any", "sum"]
 
 _MAX_CACHED_LAYOUTS = 64
 _UNBOUNDED_ROWS = 2**62
@@ -116,6 +123,31 @@ def _kernel_output_dtype(kernel: object) -> torch.dtype | None:
     if _fbgemm.is_fbgemm_tbe(kernel):
         return _fbgemm.tbe_output_dtype(kernel)
     dtype = getattr(kernel, "output_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _kernel_pooling(kernel: object) -> str | None:
+    """``"sum"``, ``"mean"``, ``"none"`` (unpooled) or ``None`` when the kernel does not say.
+
+    ``TorchEmbeddingKernel`` and key-value tables name it in ``pooling``; fbgemm's TBE holds a
+    ``PoolingMode`` enum (``SUM``, ``MEAN``, ``NONE``) in ``pooling_mode``.
+    """
+    pooling = getattr(kernel, "pooling", None)
+    if isinstance(pooling, str):
+        return pooling.lower()
+    name = getattr(getattr(kernel, "pooling_mode", None), "name", None)
+    return name.lower() if isinstance(name, str) else None
+
+
+def _fbgemm_weights_dtype(kernel: object) -> torch.dtype | None:
+    """The torch dtype of an fbgemm TBE's rows (its ``weights_precision`` ``SparseType``), if it says."""
+    as_dtype = getattr(getattr(kernel, "weights_precision", None), "as_dtype", None)
+    if not callable(as_dtype):
+        return None
+    try:
+        dtype = as_dtype()
+    except (ValueError, KeyError, AttributeError):
+        return None
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
@@ -238,16 +270,28 @@ class GroupedVBELookup(nn.Module):
 
     Args:
         groups: the kernel groups; every input feature must be in exactly one.
-        output_dtype: dtype of the output (default: the kernels' common output dtype; bf16 stays bf16).
+        output_dtype: dtype of the output (default: the kernels' common output dtype, so bf16 kernels
+            give a bf16 output; fbgemm-gpu-cpu TBEs have no bf16 forward and are rejected with bf16
+            weights or output, see docs/vbe-lookup.md).
         merge: ``"preallocated"`` (default) writes every kernel's blocks into one buffer: fbgemm TBEs on
             CUDA and kernels that can (``TorchEmbeddingKernel``, kernels with
             ``supports_vbe_output = True``) write in place, chained through ``vbe_output``; any other
             kernel's output is placed with one cached-index copy. ``"legacy"`` reproduces torchrec's
             split/permute/cat merge for comparison. A single kernel never merges.
-        check_indices: ``"auto"`` checks ids against table rows when the ids are on the CPU (free) and
-            not on CUDA (the check needs one host sync); ``"always"`` checks everywhere (one sync per
-            step on CUDA); ``"never"`` skips it. Layout checks (coverage, dims, batch sizes vs lengths)
-            always run; they need no sync.
+        check_indices: what is checked of the input's contents before any kernel runs: ids within
+            their table's rows, ``sum(lengths) == len(values)`` and no negative length, each entry of a
+            host-side ``length_per_key`` against ``lengths``, and a non-``VBEFeatures`` input's
+            ``offsets`` against its ``lengths``. ``"auto"`` checks when the ids are on the CPU (free)
+            and not on CUDA (the check needs one host sync); ``"always"`` checks everywhere (one sync
+            per step on CUDA); ``"deferred"`` computes the same check on the device without a sync
+            and records it: :meth:`check_deferred` raises for every forward since its last call (call
+            it where the step syncs anyway); ``"never"`` skips it. Unchecked, an out-of-range id of a
+            ``TorchEmbeddingKernel`` reads (and trains) a row of another table of the same dim.
+            Layout, dtype and shape checks (coverage, dims, batch sizes vs lengths) always run; they
+            need no sync.
+        kernel_pooling: ``"sum"`` rejects, at construction, a kernel whose pooling mode is known and is
+            not sum (an owner that applies mean pooling itself, like the sharded modules, would
+            otherwise divide twice); ``"any"`` (default) accepts every kernel.
         cache_fbgemm_metadata: memoise fbgemm TBEs' host-side VBE metadata per layout.
     """
 
@@ -258,6 +302,7 @@ class GroupedVBELookup(nn.Module):
         output_dtype: torch.dtype | None = None,
         merge: Merge = "preallocated",
         check_indices: CheckIndices = "auto",
+        kernel_pooling: KernelPooling = "any",
         cache_fbgemm_metadata: bool = True,
     ) -> None:
         super().__init__()
@@ -266,10 +311,12 @@ class GroupedVBELookup(nn.Module):
             raise ConfigurationError("`groups` must hold at least one KernelGroup")
         if merge not in ("preallocated", "legacy"):
             raise ConfigurationError(f"`merge` must be 'preallocated' or 'legacy', got {merge!r}")
-        if check_indices not in ("auto", "always", "never"):
+        if check_indices not in ("auto", "always", "deferred", "never"):
             raise ConfigurationError(
-                f"`check_indices` must be 'auto', 'always' or 'never', got {check_indices!r}"
+                f"`check_indices` must be 'auto', 'always', 'deferred' or 'never', got {check_indices!r}"
             )
+        if kernel_pooling not in ("any", "sum"):
+            raise ConfigurationError(f"`kernel_pooling` must be 'any' or 'sum', got {kernel_pooling!r}")
         owner: dict[str, int] = {}
         for g_i, group in enumerate(groups):
             if not isinstance(group, KernelGroup):
@@ -298,6 +345,12 @@ class GroupedVBELookup(nn.Module):
         self._kinds: list[tuple[str, torch.dtype | None]] = [
             (_kernel_kind(g.kernel), _kernel_output_dtype(g.kernel)) for g in groups
         ]
+        self._fp16_weighted_mean = _check_kernel_modes(groups, self._kinds, kernel_pooling)
+        # Offsets handed to fbgemm TBEs must not alias the features' own when the input went unchecked:
+        # fbgemm's bounds check repairs bad offsets in place.
+        self._fbgemm_groups = tuple(kind.startswith("fbgemm") for kind, _ in self._kinds)
+        self._deferred_flags: torch.Tensor | None = None
+        self._deferred_forwards = 0
         if cache_fbgemm_metadata:
             for group in groups:
                 if _fbgemm.is_fbgemm_tbe(group.kernel):
@@ -449,24 +502,39 @@ class GroupedVBELookup(nn.Module):
 
         Args:
             features: variable-batch sparse features (``VBEFeatures`` or a torchrec KJT with
-                ``stride_per_key_per_rank``), ids on the kernels' device.
+                ``stride_per_key_per_rank``), ids on the kernels' device. A non-``VBEFeatures`` input
+                gets the same dtype, shape and device checks as ``VBEFeatures`` (O(1), no sync), and
+                its ``offsets()`` are checked against its ``lengths()`` with the ids.
 
         Returns:
             :class:`VBEOutput` whose ``values()`` is 1-D, rank → group → feature → sample → dim, of
             ``output_dtype``.
+
+        Raises:
+            InvalidFeaturesError: bad dtypes, shapes or devices.
+            BatchLayoutError: batch sizes, lengths, offsets or ``length_per_key`` that disagree.
+            IndexOutOfRangeError: an id outside its table (when ``check_indices`` checks now).
+            ConfigurationError: per-id weights for an fbgemm-gpu-cpu TBE whose weighted mean is wrong.
         """
+        counts: Sequence[int] | None
         if isinstance(features, VBEFeatures):
-            keys, stride = features._keys, features._stride  # immutable: no per-step copies
+            # Immutable and checked at construction: no per-step copies or checks.
+            keys, stride = features._keys, features._stride
+            values, lengths, weights = features._values, features._lengths, features._weights
+            offsets = features.offsets()
+            counts = features._length_per_key
+            offsets_from_lengths = True
         else:
             keys = tuple(features.keys())
             stride = tuple(tuple(int(b) for b in row) for row in features.stride_per_key_per_rank())
-        values = features.values()
-        lengths = features.lengths()
-        weights = features.weights_or_none()
-        if values.dim() != 1 or lengths.dim() != 1:
-            raise InvalidFeaturesError(
-                f"`values` and `lengths` must be 1-D, got {tuple(values.shape)} and {tuple(lengths.shape)}"
-            )
+            values, lengths, weights = features.values(), features.lengths(), features.weights_or_none()
+            check_tensors(values, lengths, weights)
+            offsets = features.offsets()
+            check_offsets(offsets, lengths)
+            counts = _given_length_per_key(features)
+            if counts is not None:
+                check_length_per_key(counts, len(keys), values.numel())
+            offsets_from_lengths = False
         device = values.device
         layout = self._layout(keys, stride, device)
         num_bags = layout.num_bags
@@ -474,11 +542,21 @@ class GroupedVBELookup(nn.Module):
             raise BatchLayoutError(
                 f"`lengths` has {lengths.numel()} entries but `stride_per_key_per_rank` sums to {num_bags} bags"
             )
-        offsets = features.offsets()
-        if self.check_indices == "always" or (self.check_indices == "auto" and device.type == "cpu"):
-            self._check_ids(layout, keys, values, lengths, offsets)
+        if weights is not None and self._fp16_weighted_mean:
+            g_i = self._fp16_weighted_mean[0]
+            raise ConfigurationError(
+                f"`weights` given, but kernel group {g_i} is an fbgemm-gpu-cpu TBE with mean pooling and "
+                "float16 output, whose weighted mean fbgemm 1.8 computes wrongly on CPU (no division by the "
+                "bag length); give that TBE float32 output or sum pooling"
+            )
+        mode = self.check_indices
+        checked = mode == "always" or (mode == "auto" and device.type == "cpu")
+        if checked or mode == "deferred":
+            self._check_contents(
+                layout, keys, values, lengths, offsets, counts, offsets_from_lengths, deferred=not checked
+            )
 
-        inputs = self._split_inputs(features, layout, values, lengths, offsets, weights)
+        inputs = self._split_inputs(layout, values, lengths, offsets, weights, counts, trusted=checked)
         out_values = self._run_kernels(layout, inputs, device)
         return VBEOutput(
             out_values,
@@ -490,63 +568,106 @@ class GroupedVBELookup(nn.Module):
             layout.size_per_rank,
         )
 
-    @eager_only  # one host sync by design; never part of a graph
-    def _check_ids(
+    @eager_only  # one host sync (or module state, when deferred) by design; never part of a graph
+    def _check_contents(
         self,
         layout: _Layout,
         keys: Sequence[str],
         values: torch.Tensor,
         lengths: torch.Tensor,
         offsets: torch.Tensor,
+        counts: Sequence[int] | None,
+        offsets_from_lengths: bool,
+        *,
+        deferred: bool,
     ) -> None:
-        """Lengths vs ids and id ranges, fused into one flag read (one host sync on CUDA)."""
-        nnz = values.numel()
-        if offsets.numel() != lengths.numel() + 1:
+        """Offsets, lengths, ``length_per_key`` and id ranges, fused into one ``[4]`` flag tensor.
+
+        Read at once (one host sync on CUDA), or, when ``deferred``, OR-ed into the module's pending
+        flags on the device (no sync) for :meth:`check_deferred`.
+        """
+        flags = _content_flags(layout, values, lengths, offsets, counts, offsets_from_lengths)
+        if deferred:
+            pending = self._deferred_flags
+            if pending is None:
+                self._deferred_flags = flags
+            elif pending.device == flags.device:
+                pending.logical_or_(flags)
+            else:
+                self._deferred_flags = pending.to(flags.device) | flags
+            self._deferred_forwards += 1
+            return
+        bad = flags.tolist()
+        if any(bad):
+            _raise_content_error(bad, layout, keys, values, lengths, offsets, counts)
+
+    @eager_only  # one host sync by design; never part of a graph
+    def check_deferred(self) -> None:
+        """Raise if any forward since the last call had bad contents (``check_indices="deferred"``).
+
+        Reads the flags the forwards accumulated on the device: one host sync, so call it where the
+        step syncs anyway (reading the loss, a splits header). Clears them. A no-op under the other
+        ``check_indices`` modes.
+
+        Raises:
+            BatchLayoutError: offsets, lengths or ``length_per_key`` that disagreed.
+            IndexOutOfRangeError: an id outside its table's rows. Those forwards already ran: they read
+                other rows (for ``TorchEmbeddingKernel``, rows of a neighbouring table) and a backward
+                updated them.
+        """
+        pending, forwards = self._deferred_flags, self._deferred_forwards
+        self._deferred_flags, self._deferred_forwards = None, 0
+        if pending is None:
+            return
+        bad = pending.tolist()
+        where = f"`check_indices='deferred'`: at least one of the {forwards} forward(s) since the last check"
+        hint = "; run with `check_indices='always'` to find it"
+        if bad[0]:
+            raise BatchLayoutError(f"{where} had `offsets` that disagree with its `lengths`{hint}")
+        if bad[1]:
             raise BatchLayoutError(
-                f"`offsets` has {offsets.numel()} entries; expected len(lengths) + 1 = {lengths.numel() + 1}"
+                f"{where} had `lengths` that do not sum to the number of ids in `values` (or a negative "
+                f"length){hint}"
             )
-        bad_lengths = (lengths < 0).any() | (offsets[-1] != nnz)
-        # Feature of every id by binary search of its position in the offsets: fixed shapes, no sync,
-        # and harmless when the lengths are wrong (that case is reported first).
-        positions = torch.arange(nnz, device=values.device, dtype=offsets.dtype)
-        bag = torch.searchsorted(offsets, positions, right=True) - 1
-        bag = bag.clamp(0, max(lengths.numel() - 1, 0))
-        if lengths.numel():
-            feature_of_id = layout.feature_of_bag.index_select(0, bag)
-            rows = layout.rows_of_feature.index_select(0, feature_of_id)
-            bad_ids = ((values < 0) | (values.to(torch.long) >= rows)).any()
-        else:
-            bad_ids = torch.zeros((), dtype=torch.bool, device=values.device)
-        flags = torch.stack([bad_lengths, bad_ids]).tolist()
-        if flags[0]:
-            total = int(offsets[-1])
+        if bad[2]:
             raise BatchLayoutError(
-                f"`lengths` sum to {total} (or hold a negative length) but `values` holds {nnz} ids; the bags "
-                "described by `stride_per_key_per_rank` and `lengths` must cover `values` exactly"
+                f"{where} had a `length_per_key` entry that disagrees with its feature's `lengths`{hint}"
             )
-        if flags[1]:
-            bad = ((values < 0) | (values.to(torch.long) >= rows)).nonzero()
-            i = int(bad[0, 0])
-            f = int(feature_of_id[i])
+        if bad[3]:
             raise IndexOutOfRangeError(
-                f"`values[{i}]` = {int(values[i])} is out of range for feature `{keys[f]}`, whose table has "
-                f"{int(layout.rows_of_feature[f])} rows ({bad.shape[0]} bad ids in all)"
+                f"{where} had an id in `values` out of range for its feature's table; those forwards read "
+                f"(and a backward updated) rows of other tables{hint}"
             )
 
     def _split_inputs(
         self,
-        features: KeyedJaggedTensorLike,
         layout: _Layout,
         values: torch.Tensor,
         lengths: torch.Tensor,
         offsets: torch.Tensor,
         weights: torch.Tensor | None,
+        counts: Sequence[int] | None,
+        *,
+        trusted: bool,
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
-        """Each group's (indices, offsets, weights); ``None`` for a group with no bag."""
+        """Each group's (indices, offsets, weights); ``None`` for a group with no bag.
+
+        Unless the contents were checked (``trusted``), an fbgemm TBE never gets a view of the
+        features' offsets: its bounds check repairs bad offsets in place.
+        """
         if not layout.need_counts:  # one group reads everything (others have no bag)
-            whole = (values, offsets if offsets.dtype == values.dtype else offsets.to(values.dtype), weights)
-            return [whole if p.num_bags > 0 else None for p in layout.groups]
-        counts = _length_per_key(features, layout, offsets)
+            whole_offsets = offsets if offsets.dtype == values.dtype else offsets.to(values.dtype)
+            out_whole: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None] = []
+            for plan, fbgemm in zip(layout.groups, self._fbgemm_groups, strict=True):
+                if plan.num_bags == 0:
+                    out_whole.append(None)
+                elif fbgemm and not trusted and whole_offsets is offsets:
+                    out_whole.append((values, offsets.clone(), weights))
+                else:
+                    out_whole.append((values, whole_offsets, weights))
+            return out_whole
+        if counts is None:
+            counts = _length_per_key(layout, offsets)
         value_start = [0, *itertools.accumulate(counts)]
         if layout.tiled_runs is not None:
             # Groups with bags read consecutive feature runs in input order: one split of the ids.
@@ -556,7 +677,7 @@ class GroupedVBELookup(nn.Module):
             w_split = None if weights is None else weights.split_with_sizes(sizes)
         out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None] = []
         active = 0
-        for plan in layout.groups:
+        for plan, fbgemm in zip(layout.groups, self._fbgemm_groups, strict=True):
             if plan.num_bags == 0:
                 out.append(None)
                 continue
@@ -580,6 +701,8 @@ class GroupedVBELookup(nn.Module):
                     g_offsets = g_offsets - shift
                 if g_offsets.dtype != values.dtype:
                     g_offsets = g_offsets.to(values.dtype)
+                elif fbgemm and not trusted and not shift:
+                    g_offsets = g_offsets.clone()  # a view of the features' offsets otherwise
             else:
                 g_lengths = torch.cat([lengths[a:b] for a, b in plan.bag_runs])
                 g_offsets = complete_cumsum(g_lengths.to(values.dtype))
@@ -675,6 +798,44 @@ class GroupedVBELookup(nn.Module):
         return torch.cat(pieces)
 
 
+def _check_kernel_modes(
+    groups: tuple[KernelGroup, ...],
+    kinds: list[tuple[str, torch.dtype | None]],
+    kernel_pooling: KernelPooling,
+) -> tuple[int, ...]:
+    """Reject kernels the lookup cannot use as configured; return the groups that cannot take weights.
+
+    Raises:
+        ConfigurationError: a kernel that does not sum-pool under ``kernel_pooling="sum"``, or an
+            fbgemm-gpu-cpu TBE with bf16 rows or output (fbgemm's CPU forward has no bf16 kernel).
+    """
+    no_weights: list[int] = []
+    for g_i, (group, (kind, out_dtype)) in enumerate(zip(groups, kinds, strict=True)):
+        names = ", ".join(f"`{n}`" for n in group.features)
+        pooling = _kernel_pooling(group.kernel)
+        if kernel_pooling == "sum" and pooling not in (None, "sum"):
+            raise ConfigurationError(
+                f"kernel group {g_i} (features {names}) holds a {type(group.kernel).__name__} with pooling "
+                f"mode {pooling!r}, but this lookup was built with `kernel_pooling='sum'`: its owner (e.g. a "
+                "sharded module, whose `kernel_factory` must build sum-pooling kernels) applies mean pooling "
+                "itself after the lookup, so a mean-pooling kernel would divide by the bag length twice; "
+                "build the kernel with sum pooling"
+            )
+        if kind != "fbgemm-cpu":
+            continue
+        weights_dtype = _fbgemm_weights_dtype(group.kernel)
+        if torch.bfloat16 in (weights_dtype, out_dtype):
+            raise ConfigurationError(
+                f"kernel group {g_i} (features {names}) is an fbgemm-gpu-cpu TBE with {weights_dtype} rows and "
+                f"{out_dtype} output: fbgemm's CPU forward has no bfloat16 kernel; on CPU use float32 or "
+                "float16 for its `weights_precision` and `output_dtype` (the lookup's `output_dtype` may "
+                "still be bfloat16), or a TorchEmbeddingKernel with bfloat16 weights"
+            )
+        if pooling == "mean" and out_dtype == torch.float16:
+            no_weights.append(g_i)
+    return tuple(no_weights)
+
+
 def _call(
     kernel: EmbeddingKernel,
     item: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
@@ -715,16 +876,109 @@ def _placement(plan: _GroupPlan, total: int, device: torch.device) -> tuple[torc
     return plan.placement[0]
 
 
-@eager_only  # host-side ints (a D2H copy when the producer did not supply them)
-def _length_per_key(features: KeyedJaggedTensorLike, layout: _Layout, offsets: torch.Tensor) -> list[int]:
-    """Host-side ids per input feature: from the producer when it knows them, else one D2H copy."""
+def _given_length_per_key(features: KeyedJaggedTensorLike) -> Sequence[int] | None:
+    """The producer's host-side ids per feature (``length_per_key_or_none()``, torchrec's name), if any."""
     getter = getattr(features, "length_per_key_or_none", None)
-    if callable(getter):
-        known = getter()
-        if known is not None:
-            return known if isinstance(known, list) else [int(n) for n in known]
+    if not callable(getter):
+        return None
+    known = getter()
+    if known is None:
+        return None
+    return known if isinstance(known, list | tuple) else [int(n) for n in known]
+
+
+@eager_only  # host-side ints: one D2H copy
+def _length_per_key(layout: _Layout, offsets: torch.Tensor) -> list[int]:
+    """Host-side ids per input feature from the offsets (when the producer did not supply them)."""
     at = offsets.to(torch.long)[layout.feature_bag_bounds]
     return [int(n) for n in (at[1:] - at[:-1]).tolist()]
+
+
+@eager_only  # fixed-shape device work, cached per layout; no host sync
+def _content_flags(
+    layout: _Layout,
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: torch.Tensor,
+    counts: Sequence[int] | None,
+    offsets_from_lengths: bool,
+) -> torch.Tensor:
+    """``[4]`` bool on the ids' device: offsets vs lengths, lengths vs ids, ``length_per_key``, id ranges.
+
+    Every term is a fixed-shape device computation (no host sync, no loop over features); each one is
+    harmless when an earlier one is set (that case is reported first).
+    """
+    device = values.device
+    nnz = values.numel()
+    false = torch.zeros((), dtype=torch.bool, device=device)
+    bad_offsets = false
+    if not offsets_from_lengths:
+        bad_offsets = (offsets[:1] != 0).any() | (offsets.diff() != lengths).any()
+    bad_lengths = (lengths < 0).any() | (offsets[-1] != nnz)
+    bad_counts = false
+    if counts is not None:
+        at = offsets.index_select(0, layout.feature_bag_bounds)
+        given = _to_device(torch.tensor(counts, dtype=torch.long), device)
+        bad_counts = (at.diff() != given).any()
+    bad_ids = false
+    if lengths.numel():
+        rows = _rows_of_ids(layout, values, offsets)
+        bad_ids = ((values < 0) | (values.to(torch.long) >= rows)).any()
+    return torch.stack([bad_offsets, bad_lengths, bad_counts, bad_ids])
+
+
+def _rows_of_ids(layout: _Layout, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``[N]`` long: rows of the table of every id's feature (binary search of its position in the offsets)."""
+    positions = torch.arange(values.numel(), device=values.device, dtype=offsets.dtype)
+    bag = torch.searchsorted(offsets, positions, right=True) - 1
+    bag = bag.clamp(0, max(layout.num_bags - 1, 0))
+    return layout.rows_of_feature.index_select(0, layout.feature_of_bag.index_select(0, bag))
+
+
+def _raise_content_error(
+    bad: list[bool],
+    layout: _Layout,
+    keys: Sequence[str],
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: torch.Tensor,
+    counts: Sequence[int] | None,
+) -> None:
+    """Raise the error of the first set flag of :func:`_content_flags`, naming the culprit (error path only)."""
+    nnz = values.numel()
+    if bad[0]:
+        if int(offsets[0]) != 0:
+            raise BatchLayoutError(
+                f"`offsets[0]` is {int(offsets[0])}; the offsets of the bags must start at 0"
+            )
+        i = int((offsets.diff() != lengths).nonzero()[0, 0])
+        raise BatchLayoutError(
+            f"`offsets` disagree with `lengths` at bag {i}: offsets[{i + 1}] - offsets[{i}] = "
+            f"{int(offsets[i + 1] - offsets[i])} but lengths[{i}] = {int(lengths[i])}"
+        )
+    if bad[1]:
+        raise BatchLayoutError(
+            f"`lengths` sum to {int(offsets[-1])} (or hold a negative length) but `values` holds {nnz} ids; the "
+            "bags described by `stride_per_key_per_rank` and `lengths` must cover `values` exactly"
+        )
+    if bad[2]:
+        assert counts is not None  # the flag is only set when they were given
+        actual = _length_per_key(layout, offsets)
+        f = next(i for i, (a, b) in enumerate(zip(actual, counts, strict=True)) if a != b)
+        raise BatchLayoutError(
+            f"`length_per_key[{f}]` = {counts[f]} but feature `{keys[f]}`'s `lengths` sum to {actual[f]} ids "
+            f"(`length_per_key` = {list(counts)}, from `lengths`: {actual}); it must count each feature's ids"
+        )
+    if bad[3]:
+        rows = _rows_of_ids(layout, values, offsets)
+        out_of_range = ((values < 0) | (values.to(torch.long) >= rows)).nonzero()
+        i = int(out_of_range[0, 0])
+        bag = int(torch.searchsorted(offsets, torch.tensor([i], dtype=offsets.dtype), right=True)[0]) - 1
+        f = int(layout.feature_of_bag[bag])
+        raise IndexOutOfRangeError(
+            f"`values[{i}]` = {int(values[i])} is out of range for feature `{keys[f]}`, whose table has "
+            f"{int(layout.rows_of_feature[f])} rows ({out_of_range.shape[0]} bad ids in all)"
+        )
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
