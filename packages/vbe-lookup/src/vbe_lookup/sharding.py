@@ -281,7 +281,9 @@ class _ShardedModule(nn.Module):
             for kernel, spec in zip(self._kernels, self._specs, strict=True)
         ]
         self.lookup: GroupedVBELookup | None = (
-            GroupedVBELookup(groups, output_dtype=self.output_dtype, check_indices="never")
+            GroupedVBELookup(
+                groups, output_dtype=self.output_dtype, check_indices="never", kernel_pooling="sum"
+            )
             if groups
             else None
         )
