@@ -68,3 +68,29 @@ def test_check_deferred_is_a_no_op_in_other_modes() -> None:
     lookup, _ = _lookup("never")
     lookup(_features(12))
     lookup.check_deferred()
+
+
+@pytest.mark.gpu
+def test_deferred_check_makes_no_host_sync_on_cuda() -> None:
+    """On CUDA a ``"deferred"`` forward with a length_per_key and a bad id syncs nowhere; the check raises."""
+    kernel = TorchEmbeddingKernel([10, 20], [4, 4], optimizer=None, device="cuda")
+    other = TorchEmbeddingKernel([30], [4], optimizer=None, device="cuda")
+    lookup = GroupedVBELookup(
+        [KernelGroup(kernel, ["a", "b"], [4, 4]), KernelGroup(other, ["c"], [4])], check_indices="deferred"
+    )
+    features = VBEFeatures(
+        ["a", "b", "c"],
+        torch.tensor([12, 3, 4], device="cuda"),
+        torch.tensor([1, 1, 1], device="cuda"),
+        [[1], [1], [1]],
+        length_per_key=[1, 1, 1],
+    )
+    lookup(features)  # first sight of the layout: host-side metadata, may copy
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lookup(features)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(IndexOutOfRangeError, match="2 forward"):
+        lookup.check_deferred()
