@@ -531,15 +531,17 @@ def test_device_cache_lookup_and_victims() -> None:
     lower = HostTier(16, [4], _NullTier(), pin=False)
     cache = DeviceCache([3], [4], torch.device("cpu"), lower, round_fp16=False)
     tables = torch.zeros(5, dtype=torch.int64)
-    first = cache.assign(tables, torch.tensor([5, 6, 5, 7, 6]), tick=1, protect=1)
+    first = cache.assign(tables, torch.tensor([5, 6, 5, 7, 6]), tick=1, protect=1).slots
     assert first[0] == first[2]
     assert first[1] == first[4]
     assert len(set(first.tolist())) == 3
     assert cache.metrics.inserted_rows == 3
-    again = cache.assign(tables[:2], torch.tensor([7, 5]), tick=2, protect=2)
+    assert cache.metrics.lookups == 3
+    assert cache.metrics.hits == 0
+    again = cache.assign(tables[:2], torch.tensor([7, 5]), tick=2, protect=2).slots
     assert again.tolist() == [first[3].item(), first[0].item()]
     # Row 6 (tick 1) is the only unprotected one: it leaves; 5 and 7 (tick 2) stay.
-    third = cache.assign(tables[:1], torch.tensor([8]), tick=3, protect=2)
+    third = cache.assign(tables[:1], torch.tensor([8]), tick=3, protect=2).slots
     assert third.tolist() == [first[1].item()]
     assert cache.lookup(tables[:3], torch.tensor([5, 7, 6])).tolist() == [
         first[0].item(),

@@ -32,7 +32,7 @@ from ssd_tbe_adapter._host_tier import RowTier, TierRows
 from ssd_tbe_adapter._init import _mix
 from ssd_tbe_adapter._optimizer import RowOptimizer
 
-__all__ = ["DeviceCache", "DeviceCacheMetrics"]
+__all__ = ["Assignment", "DeviceCache", "DeviceCacheMetrics"]
 
 _TICK_BITS = 40  # last-use ticks stay far below 2**40
 _MAX_USES = (1 << 20) - 1
@@ -43,6 +43,16 @@ _MAX_KEY = (1 << 63) - 1
 def hash_keys(tables: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """A 64-bit hash of each ``(tables[i], ids[i])`` (int64, same device)."""
     return _mix(_mix(tables) ^ ids)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Assignment:
+    """The slots one batch got (device tensors; they hold its rows until the batch is released)."""
+
+    slots: torch.Tensor  # [N] int64: the slot of each lookup
+    unique_slots: torch.Tensor  # [U] int64 ascending: the batch's rows
+    inverse: torch.Tensor  # [N] int64: position of each lookup's slot in unique_slots
+    inserted: int  # rows moved in from the tier below for this batch
 
 
 @dataclass(slots=True)
@@ -196,13 +206,23 @@ class DeviceCache:
         )
         return torch.where(hit, slots, -1)
 
-    def assign(self, tables: torch.Tensor, ids: torch.Tensor, tick: int, protect: int) -> torch.Tensor:
+    def assign(self, tables: torch.Tensor, ids: torch.Tensor, tick: int, protect: int) -> Assignment:
         """Slots for every lookup ``(tables[i], ids[i])`` (``[N]`` int64, device): hits are touched at ``tick``,
         unique misses are read from the tier below into free or evicted slots (victims: the least used, then
-        least recently used, slots last touched before ``protect``, the table's own first, then the scratch pool, grown if
-        needed); evicted rows go down. Syncs with the host (miss count, missing ids, evicted rows).
+        least recently used, slots last touched before ``protect``; the table's own slots first, then the
+        scratch pool, grown if needed); evicted rows go down. Syncs with the host (miss count, missing ids,
+        evicted rows, the number of unique rows).
         """
         self.metrics.assigns += 1
+        inserted_before = self.metrics.inserted_rows
+        slots = self._slots(tables, ids, tick, protect)
+        unique_slots, inverse = torch.unique(slots, return_inverse=True)
+        inserted = self.metrics.inserted_rows - inserted_before
+        self.metrics.lookups += unique_slots.numel()
+        self.metrics.hits += unique_slots.numel() - inserted
+        return Assignment(slots=slots, unique_slots=unique_slots, inverse=inverse, inserted=inserted)
+
+    def _slots(self, tables: torch.Tensor, ids: torch.Tensor, tick: int, protect: int) -> torch.Tensor:
         slots = self.lookup(tables, ids)
         hit = slots >= 0
         touched = torch.where(hit, slots, self.trash)

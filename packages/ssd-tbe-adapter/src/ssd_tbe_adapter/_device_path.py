@@ -326,24 +326,19 @@ class DevicePath:
         self._open.add(tick)
         protect = min(self._open)
         try:
-            inserted_before = self.cache.metrics.inserted_rows
-            slots = self.cache.assign(tables, indices.to(torch.int64), tick, protect)
-            unique_slots, inverse = torch.unique(slots, return_inverse=True)
+            assignment = self.cache.assign(tables, indices.to(torch.int64), tick, protect)
         except BaseException:
             self._open.discard(tick)
             raise
-        inserted = self.cache.metrics.inserted_rows - inserted_before
-        self.cache.metrics.lookups += unique_slots.numel()
-        self.cache.metrics.hits += unique_slots.numel() - inserted
-        self.counters[moved] += inserted
+        self.counters[moved] += assignment.inserted
         self._record_insert()
         return _Batch(
             indices=indices,
             offsets=offsets,
             host_offsets=plan.offsets,
-            slots=slots,
-            unique_slots=unique_slots,
-            inverse=inverse,
+            slots=assignment.slots,
+            unique_slots=assignment.unique_slots,
+            inverse=assignment.inverse,
             bag_of_lookup=bag_of_lookup,
             tick=tick,
             version=indices._version,
