@@ -25,6 +25,7 @@ from vbe_lookup._torch_kernel import TorchEmbeddingKernel
 from vbe_lookup.errors import IndexOutOfRangeError, VBELookupError
 from vbe_lookup.interfaces import EmbeddingKernel
 from vbe_lookup.sharding import (
+    CollectiveOrderError,
     CollectiveTimeoutError,
     KernelFactory,
     KernelSpec,
@@ -529,10 +530,59 @@ def timeout_check(rank: int, world: int) -> float:
     return time.monotonic() - start
 
 
+def skipped_backward_check(rank: int, world: int) -> list[str]:
+    """A rank that drops a training output without backward: the peers' tables stay right, every rank
+    raises a clear error at the next step, and the ranks are in step again afterwards."""
+    device = torch.device("cpu")
+    init = initial_tables(21)
+    m = ShardedEmbeddingBags(
+        TABLES, plans(world)[0], kernel_factory=torch_kernel_factory(learning_rate=LR), device=device
+    )
+    m.load_state_dict(init)
+    sizes = [3] * world
+    batches = make_batches(22, sizes, weighted=True)
+    out = m(batches[rank].features(device, weights_grad=True))
+    g = grad_seed(23, sum(sizes))
+    lo = sum(sizes[:rank])
+    if rank == world - 1:
+        del out  # the skipped backward: the graph is freed, its backward all-to-alls never run
+    else:
+        backward((out.values() * g[lo : lo + sizes[rank]]).sum())
+    seen: list[str] = []
+    err = _error_of(lambda: m(batches[rank].features(device)))
+    if rank == world - 1:
+        seen.append(_expect(err, CollectiveOrderError, "without running `backward`", "pooled output dist"))
+    else:
+        seen.append(_expect(err, PeerRankError, f"rank(s) {world - 1}", "without running `backward`"))
+    # Rank 0's rows got its own gradient and none from the skipping rank (zeros), not a header or ids.
+    ref = Reference(init, "sgd")
+    g_kept = g.clone()
+    g_kept[sum(sizes[: world - 1]) :] = 0
+    backward((ref.pooled(batches) * g_kept).sum())
+    ref.step()
+    if rank == 0:
+        for shard, weight, _ in m._local_shards():
+            name = TABLES[shard.table].name
+            rows = slice(shard.row_start, shard.row_start + shard.num_rows)
+            close(weight, ref.weights[f"{name}.weight"][rows].detach(), f"rank 0 shard of {name}")
+    # Back in step: a no-grad forward works on every rank.
+    with torch.no_grad():
+        assert m(batches[rank].features(device)).values().shape[0] == 3
+
+    # A rank whose step count differs (as if it had rebuilt its module): every rank raises.
+    if rank == world - 1:
+        m._input_dist._step += 1
+    with torch.no_grad():
+        err = _error_of(lambda: m(batches[rank].features(device)))
+    seen.append(_expect(err, CollectiveOrderError, "different steps"))
+    return seen
+
+
 def two_ranks(rank: int, world: int) -> dict[str, Any]:
     """Everything the 2-rank CPU test checks, in one spawn."""
     report = equivalence(rank, world)
     report["timeout_s"] = timeout_check(rank, world)
+    report["skipped_backward"] = skipped_backward_check(rank, world)
     return report
 
 

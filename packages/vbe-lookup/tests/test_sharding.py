@@ -363,7 +363,8 @@ def test_single_rank_state_dict_keeps_opaque_kernels_own_state(one_rank: None) -
 @pytest.mark.distributed
 def test_two_ranks_gloo_equal_unsharded_reference() -> None:
     """2 gloo ranks: outputs, weight grads and tables after k steps equal the unsharded reference;
-    bad input and bad plans raise on every rank; a missing peer times out instead of hanging."""
+    bad input and bad plans raise on every rank; a missing peer times out instead of hanging; a rank
+    that skips backward or is at another step makes every rank raise, the peers' tables intact."""
     reports = _dist_harness.run_ranks(_dist_workers.two_ranks, 2, timeout_s=240)
     for r in reports:
         assert (r["sgd"], r["adagrad"], r["sequence"]) == (True, True, True)
@@ -376,6 +377,8 @@ def test_two_ranks_gloo_equal_unsharded_reference() -> None:
         "PeerRankError",
     ]
     assert 0.9 <= reports[0]["timeout_s"] < 10
+    assert reports[0]["skipped_backward"] == ["PeerRankError", "CollectiveOrderError"]
+    assert reports[1]["skipped_backward"] == ["CollectiveOrderError", "CollectiveOrderError"]
 
 
 @pytest.mark.distributed

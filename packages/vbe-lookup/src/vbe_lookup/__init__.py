@@ -20,6 +20,7 @@ from vbe_lookup._version import __version__
 from vbe_lookup.errors import VBELookupError
 from vbe_lookup.interfaces import EmbeddingKernel, KeyedJaggedTensorLike, PrefetchableKernel
 from vbe_lookup.sharding import (
+    CollectiveOrderError,
     CollectiveTimeoutError,
     DistributedFeatures,
     InputDistHandle,
@@ -40,6 +41,7 @@ from vbe_lookup.sharding import (
 )
 
 __all__ = [
+    "CollectiveOrderError",
     "CollectiveTimeoutError",
     "DistributedFeatures",
     "EmbeddingKernel",

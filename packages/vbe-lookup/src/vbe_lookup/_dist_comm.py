@@ -9,6 +9,9 @@ through ``all_to_all_single`` with split lists.
 from __future__ import annotations
 
 import datetime
+import itertools
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +23,27 @@ from vbe_lookup._sharding_errors import CollectiveTimeoutError, PeerRankError
 __all__ = ["Communicator"]
 
 _MESSAGE_BYTES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _BackwardCollective:
+    """The reverse all-to-all one differentiable all-to-all owes its peers in the backward."""
+
+    order: int  # forward issue order (backward runs them newest first)
+    what: str
+    grad_shape: tuple[int, ...]
+    dtype: torch.dtype
+    send_splits: list[int]  # what the backward sends to each rank (the forward's out_splits)
+    recv_splits: list[int]  # what it receives (the forward's in_splits)
+
+
+class _Pending:
+    """Held by an all-to-all's autograd context: its graph's death without a backward is a skip."""
+
+    __slots__ = ("__weakref__", "done")
+
+    def __init__(self, done: list[bool]) -> None:
+        self.done = done  # [ran]: shared with the finalizer, which must not hold this object
 
 
 class Communicator:
@@ -46,6 +70,9 @@ class Communicator:
         # the pipeline; there the wait is stream-ordered and NCCL's watchdog (the process group's
         # ``timeout``) bounds a stuck collective instead.
         self._host_timeout = str(dist.get_backend(process_group)) != "nccl"
+        # Backward collectives of graphs freed before their backward ran (see `catch_up_skipped_backward`).
+        self._skipped: list[_BackwardCollective] = []
+        self._order = itertools.count()
 
     # -- waiting -----------------------------------------------------------------------------------
     def wait(self, work: Any, what: str) -> None:
@@ -102,6 +129,31 @@ class Communicator:
         out: Tensor = _AllToAll.apply(self, what, out_splits, in_splits, *inputs)  # type: ignore[no-untyped-call]  # Function.apply is untyped
         return out
 
+    def _track(self, ctx: Any, record: _BackwardCollective) -> None:
+        """Remember ``record`` as owed if ``ctx`` (an autograd context) dies before its backward ran."""
+        done = [False]
+        ctx.pending = _Pending(done)
+        finalizer = weakref.finalize(ctx.pending, _on_graph_freed, weakref.ref(self), record, done)
+        finalizer.atexit = False
+
+    def catch_up_skipped_backward(self) -> list[str]:
+        """Run, with zero gradients, the backward all-to-alls of graphs freed without a backward.
+
+        A rank that drops a training step's output without calling ``backward`` would otherwise issue its
+        next collectives while its peers run their backward ones: those would pair with the wrong calls
+        and the peers would apply this rank's next header or ids as gradients. Sending zeros in the
+        owed calls keeps every rank's collective sequence in step (the peers' tables get no
+        contribution from this rank); the caller then reports the skip on every rank.
+
+        Returns:
+            What was owed (``"backward of pooled output dist"``, ...), oldest first; empty if nothing.
+        """
+        owed, self._skipped = sorted(self._skipped, key=lambda r: -r.order), []
+        for record in owed:
+            zeros = torch.zeros(record.grad_shape, dtype=record.dtype, device=self.device)
+            self.all_to_all(zeros, record.recv_splits, record.send_splits, f"catch-up {record.what}")
+        return [r.what for r in reversed(owed)]
+
     # -- small exchanges ---------------------------------------------------------------------------
     def all_gather_int64(self, values: list[int], what: str) -> list[list[int]]:
         """All-gather a short int64 vector of equal length from every rank (host lists)."""
@@ -150,11 +202,28 @@ class _AllToAll(torch.autograd.Function):
         ctx.comm = comm
         ctx.what = what
         ctx.splits = (out_splits, in_splits)
-        return comm.all_to_all(x.detach(), out_splits, in_splits, what)
+        out = comm.all_to_all(x.detach(), out_splits, in_splits, what)
+        record = _BackwardCollective(
+            next(comm._order), f"backward of {what}", tuple(out.shape), out.dtype, out_splits, in_splits
+        )
+        comm._track(ctx, record)
+        # A view: the process group's work may hold `out` a while after the wait; the graph (and the
+        # skipped-backward finalizer) must live exactly as long as the user's tensor.
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None, Tensor, None]:
         comm: Communicator = ctx.comm
+        ctx.pending.done[0] = True
         out_splits, in_splits = ctx.splits
         back = comm.all_to_all(grad.contiguous(), in_splits, out_splits, f"backward of {ctx.what}")
         return None, None, None, None, back, None
+
+
+def _on_graph_freed(
+    comm_ref: weakref.ref[Communicator], record: _BackwardCollective, done: list[bool]
+) -> None:
+    """Finalizer of a differentiable all-to-all's context: record the backward it never ran."""
+    comm = comm_ref()
+    if comm is not None and not done[0]:
+        comm._skipped.append(record)

@@ -25,14 +25,15 @@ from torch import Tensor
 
 from vbe_lookup._dist_comm import Communicator
 from vbe_lookup._features import VBEFeatures
-from vbe_lookup._sharding_errors import PeerRankError, UnknownFeatureError
+from vbe_lookup._sharding_errors import CollectiveOrderError, PeerRankError, UnknownFeatureError
 from vbe_lookup._sharding_plan import ShardingLayout
 from vbe_lookup.errors import BatchLayoutError, IndexOutOfRangeError, InvalidFeaturesError, VBELookupError
 
 __all__ = ["DistributedFeatures", "InputDist", "InputDistHandle", "SourceContext"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
-_HEADER_FIXED = 5  # status, batch size, has weights, weights require grad, ids sent
+_HEADER_FIXED = 6  # status, batch size, has weights, weights require grad, ids sent, step
+_STEP = 5
 _OK, _BAD_INPUT, _BAD_IDS, _BAD_LENGTHS = 0, 1, 2, 3
 _MAX_CACHE = 64
 
@@ -178,25 +179,41 @@ class InputDist:
         self._key_cache: dict[tuple[str, ...], Tensor] = {}
         self._send_len_cache: dict[int, Tensor] = {}
         self._recv_len_cache: dict[tuple[int, ...], Tensor] = {}
+        self._step = 0  # input dists started; every rank sends it in the header and checks the others'
 
     # -- phase 1 ---------------------------------------------------------------------------------
     def start(self, features: Any) -> InputDistHandle:
         """Validate, bucketize, exchange headers (reporting errors on every rank), launch the lengths."""
         dev = self.comm.device
         world, s_max = self.world, self.s_max
+        step = self._step
+        self._step += 1
         local_error: VBELookupError | None = None
-        try:
-            keys, values, lengths, weights, batch = self._check(features)
-        except VBELookupError as err:
-            local_error = err
+        # A dropped training output whose backward never ran still owes its peers the backward
+        # all-to-alls: send zeros now (so no peer takes this header for a gradient), then report it.
+        owed = self.comm.catch_up_skipped_backward()
+        if owed:
+            local_error = CollectiveOrderError(
+                f"rank {self.rank}: the output of an earlier step was dropped without running `backward` "
+                f"(owed: {', '.join(owed)}); when training, every rank must run backward on a loss that "
+                "depends on the module's output, or run the forward under `torch.no_grad()`. The peers' "
+                "tables got no gradient from this rank for that step"
+            )
+        else:
+            try:
+                keys, values, lengths, weights, batch = self._check(features)
+            except VBELookupError as err:
+                local_error = err
         if local_error is not None:
             header = torch.zeros((world, self.header_size), dtype=torch.int64, device=dev)
             header[:, 0] = _BAD_INPUT
+            header[:, _STEP] = step
             recv = self.comm.all_to_all(
                 header.flatten(), [self.header_size] * world, [self.header_size] * world, "input dist header"
             )
-            statuses = recv.view(world, self.header_size)[:, 0].tolist()
-            self._raise_errors(statuses, str(local_error), local_error)
+            rows = recv.view(world, self.header_size)[:, [0, _STEP]].tolist()
+            self._check_steps(step, [row[1] for row in rows])
+            self._raise_errors([row[0] for row in rows], str(local_error), local_error)
             raise AssertionError("unreachable")  # _raise_errors always raises when status is bad
 
         n = values.numel()
@@ -238,6 +255,7 @@ class InputDist:
         header[:, 2] = int(weights is not None)
         header[:, 3] = int(weights is not None and weights.requires_grad and torch.is_grad_enabled())
         header[:, 4] = counts.sum(1)
+        header[:, _STEP] = step
         header[:, _HEADER_FIXED:] = counts
         recv = self.comm.all_to_all(
             header.flatten(), [self.header_size] * world, [self.header_size] * world, "input dist header"
@@ -245,6 +263,7 @@ class InputDist:
         # The only host sync of the input dist: what we send and what we receive.
         both = torch.cat([header.flatten(), recv]).view(2, world, self.header_size).tolist()
         mine, theirs = both[0], both[1]
+        self._check_steps(step, [row[_STEP] for row in theirs])
         statuses = [row[0] for row in theirs]
         if any(statuses):
             message = ""
@@ -508,6 +527,18 @@ class InputDist:
                 )
             start += per_key[i]
         return "`values` has ids outside their tables' range"
+
+    def _check_steps(self, step: int, steps: list[int]) -> None:
+        """Every rank must be at the same step; else raise here, on every rank, before any other collective.
+
+        Each rank receives every rank's step, so all of them see a mismatch and raise together.
+        """
+        if any(s != step for s in steps):
+            raise CollectiveOrderError(
+                f"rank {self.rank}: the ranks are at different steps of this module's input dist (step per "
+                f"rank: {steps}; this rank: {step}); a rank called `forward`/`start_input_dist` more often "
+                "than the others or skipped a step's `backward`, so the collectives no longer pair up"
+            )
 
     def _raise_errors(self, statuses: list[int], message: str, own: VBELookupError | None) -> None:
         """Every rank calls this when some status is bad: gather the messages and raise everywhere."""

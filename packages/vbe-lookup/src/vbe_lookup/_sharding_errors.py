@@ -5,6 +5,7 @@ from __future__ import annotations
 from vbe_lookup.errors import VBELookupError
 
 __all__ = [
+    "CollectiveOrderError",
     "CollectiveTimeoutError",
     "PeerRankError",
     "ShardingPlanError",
@@ -30,3 +31,11 @@ class PeerRankError(VBELookupError, RuntimeError):
 
 class CollectiveTimeoutError(VBELookupError, TimeoutError):
     """A collective did not complete within the module's ``timeout`` (a peer is stuck, gone or desynced)."""
+
+
+class CollectiveOrderError(VBELookupError, RuntimeError):
+    """The ranks are out of step: one skipped a training step's ``backward`` or called ``forward`` more often.
+
+    Detected through the step number every rank sends in the input dist's header (and, for a skipped
+    backward, on the rank that skipped it), so that no collective pairs with the wrong one on a peer.
+    """

@@ -45,6 +45,7 @@ from vbe_lookup._dist_output import PooledOutputDist, SequenceOutputDist
 from vbe_lookup._features import VBEFeatures, complete_cumsum
 from vbe_lookup._grouped import GroupedVBELookup, KernelGroup
 from vbe_lookup._sharding_errors import (
+    CollectiveOrderError,
     CollectiveTimeoutError,
     PeerRankError,
     ShardingPlanError,
@@ -64,6 +65,7 @@ from vbe_lookup.errors import InvalidFeaturesError, VBELookupError
 from vbe_lookup.interfaces import EmbeddingKernel
 
 __all__ = [
+    "CollectiveOrderError",
     "CollectiveTimeoutError",
     "DistributedFeatures",
     "InputDistHandle",
@@ -598,6 +600,10 @@ class ShardedEmbeddingBags(_ShardedModule):
 
     Every rank must call the same methods in the same order (as with any collective), and, when
     training, run ``backward`` on a loss that depends on the output (an empty local batch included).
+    Every input dist header carries the step number, which every rank checks; a rank that frees a
+    training output without its backward sends zeros in the backward collectives it owed (so the
+    peers' tables get nothing from it, never its next header), and at the next step every rank raises
+    :class:`CollectiveOrderError` (the others :class:`PeerRankError` naming it).
     """
 
     def _init_output_dist(self) -> None:
