@@ -6,14 +6,20 @@ fbgemm tests; they skip when it does not import).
 
 from __future__ import annotations
 
+import datetime
+import os
+import socket
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from vbe_lookup import GroupedVBELookup, KernelGroup, TorchEmbeddingKernel, VBEFeatures, _fbgemm
+from vbe_lookup.sharding import RowWise, ShardedEmbeddingBags, ShardingPlan, TableConfig, TableWise
 from vbe_lookup.testing import ReferenceOptimizer, random_features, reference_pooled
 
 pytestmark = pytest.mark.gpu
@@ -194,3 +200,62 @@ def test_always_checked_ids_on_cuda_raise_before_kernels() -> None:
     )
     with pytest.raises(IndexOutOfRangeError, match="= 25 is out of range for feature `b`"):
         lookup(features)
+
+
+def _sharded_features(seed: int, batch: int, tables: list[TableConfig]) -> VBEFeatures:
+    """A local batch of every table's features (``[[B]] * F`` strides), built on the CPU, on the GPU."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = [f for t in tables for f in t.feature_names]
+    rows = [t.num_embeddings for t in tables for _ in t.feature_names]
+    lengths = torch.randint(0, 5, (len(keys) * batch,), generator=gen)
+    per_key = lengths.view(len(keys), batch).sum(1).tolist()
+    values = torch.cat([torch.randint(0, r, (n,), generator=gen) for r, n in zip(rows, per_key, strict=True)])
+    weights = torch.rand(values.numel(), generator=gen)
+    return VBEFeatures(keys, values, lengths, [[batch]] * len(keys), weights).to("cuda")
+
+
+def test_sharded_step_has_one_host_sync() -> None:
+    """A steady-state sharded step on one GPU (NCCL, world size 1: input dist, lookup, output dist,
+    backward) makes exactly one synchronizing CUDA call: the input dist's splits header."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        tables = [
+            TableConfig(name="a", num_embeddings=100, embedding_dim=16, feature_names=("a0", "a1")),
+            TableConfig(name="b", num_embeddings=80, embedding_dim=32, feature_names=("b0",), pooling="mean"),
+            TableConfig(name="c", num_embeddings=60, embedding_dim=16, feature_names=("c0",)),
+        ]
+        plan = ShardingPlan(
+            world_size=1,
+            placements={"a": TableWise(rank=0, group="x"), "b": RowWise(group="y"), "c": RowWise(group="y")},
+        )
+        module = ShardedEmbeddingBags(tables, plan, device="cuda")
+        steps = [_sharded_features(seed, 8, tables) for seed in range(4)]
+        for features in steps[:2]:  # warm-up: layouts and key orders are cached
+            torch.autograd.backward(module(features).values().sum())
+        torch.cuda.synchronize()
+        for features in steps[2:]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = module(features).values()
+                    torch.autograd.backward(out, torch.ones_like(out))
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+            assert len(syncs) == 1, syncs
+    finally:
+        dist.destroy_process_group()

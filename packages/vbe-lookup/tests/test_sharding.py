@@ -7,6 +7,7 @@ global batch; see ``_dist_workers.py``.
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 from collections.abc import Iterator
@@ -33,6 +34,9 @@ from _dist_workers import (
     per_feature,
 )
 
+from vbe_lookup._dist_comm import Communicator
+from vbe_lookup._dist_input import InputDist
+from vbe_lookup._features import VBEFeatures
 from vbe_lookup._sharding_plan import ShardingLayout
 from vbe_lookup._torch_kernel import TorchEmbeddingKernel
 from vbe_lookup.errors import BatchLayoutError
@@ -355,6 +359,134 @@ def test_single_rank_state_dict_keeps_opaque_kernels_own_state(one_rank: None) -
     after = m.state_dict()
     close(after["t0.weight"], init["t0.weight"])
     close(after[opaque[0]], torch.full_like(after[opaque[0]], 0.5))
+
+
+# ------------------------------------------------------- input dist pieces (host-light step path)
+
+
+def _input_dist(layout: ShardingLayout) -> InputDist:
+    comm = Communicator(None, datetime.timedelta(seconds=30), torch.device("cpu"))
+    return InputDist(layout, comm)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000),
+    world=st.integers(1, 6),
+    num_tables=st.integers(1, 4),
+    n=st.integers(0, 200),
+)
+def test_bucketize_matches_per_shard_scan(
+    one_rank: None, seed: int, world: int, num_tables: int, n: int
+) -> None:
+    """One binary search over all shards' first rows gives the rank, slot and local id of a scan of the
+    shards (the old O(N*K) comparison), for random row-wise/table-wise mixes and ids."""
+    del one_rank
+    gen = torch.Generator().manual_seed(seed)
+    rows = [int(r) for r in torch.randint(world, 40, (num_tables,), generator=gen)]
+    tables = [_t(f"t{i}", rows[i], f"f{i}", f"g{i}") for i in range(num_tables)]
+    placements: dict[str, TableWise | RowWise] = {}
+    for i in range(num_tables):
+        if int(torch.randint(0, 2, (1,), generator=gen)):
+            k = int(torch.randint(1, world + 1, (1,), generator=gen))
+            ranks = tuple(int(r) for r in torch.randperm(world, generator=gen)[:k])
+            placements[f"t{i}"] = RowWise(ranks=ranks)
+        else:
+            placements[f"t{i}"] = TableWise(rank=int(torch.randint(0, world, (1,), generator=gen)))
+    layout = ShardingLayout.build(tables, ShardingPlan(world_size=world, placements=placements))
+    dist_in = _input_dist(layout)
+    num_features = len(layout.features)
+    g = torch.randint(0, num_features, (n,), generator=gen)
+    feature_rows = torch.tensor([rows[layout.feature_table[f]] for f in range(num_features)])
+    values = (torch.rand(n, generator=gen) * feature_rows[g]).to(torch.int64)
+    shard = dist_in._bucketize(g, values)
+    got = (
+        dist_in._shard_rank[shard].tolist(),
+        dist_in._shard_slot[shard].tolist(),
+        (values - dist_in._shard_row0[shard]).tolist(),
+    )
+    slot_of = {(s.feature, r): j for r, rl in enumerate(layout.ranks) for j, s in enumerate(rl.slots)}
+    want: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for f, v in zip(g.tolist(), values.tolist(), strict=True):
+        owner = [s for s in layout.shards[layout.feature_table[f]] if s.row_start <= v][-1]
+        assert v < owner.row_start + owner.num_rows
+        want[0].append(owner.rank)
+        want[1].append(slot_of[(f, owner.rank)])
+        want[2].append(v - owner.row_start)
+    assert got == want
+
+
+def test_input_dist_layout_metadata_is_cached(one_rank: None) -> None:
+    """The receive-side reorder index and VBE strides are built once per batch-size layout, and the
+    reorder index equals the source → slot → sample to slot → source → sample permutation."""
+    del one_rank
+    plan = ShardingPlan(world_size=3, placements={t.name: RowWise() for t in TABLES})
+    dist_in = _input_dist(ShardingLayout.build(TABLES, plan))
+    batches = (2, 0, 3)
+    index = dist_in._recv_len_index(batches, torch.tensor(batches))
+    assert dist_in._recv_len_index(batches, torch.tensor(batches)) is index
+    assert dist_in._stride(batches, 4) is dist_in._stride(batches, 4)
+    slots = dist_in.slot_counts[0]
+    base = [0, slots * 2, slots * 2]  # source s starts after the slots x batch sizes of the ones before
+    want = [base[s] + j * batches[s] + i for j in range(slots) for s in range(3) for i in range(batches[s])]
+    assert index.tolist() == want
+    other = dist_in._recv_len_index((1, 1, 1), torch.tensor((1, 1, 1)))
+    assert other is not index
+    assert other.numel() == slots * 3
+
+
+class _UniformKJT:
+    """What a torchrec KeyedJaggedTensor answers when it is not variable-stride (its strides are lists
+    rebuilt on every ``stride_per_key_per_rank()`` call, which the input dist must not make)."""
+
+    def __init__(self, features: VBEFeatures, batch: int) -> None:
+        self._f = features
+        self._batch = batch
+
+    def keys(self) -> list[str]:
+        return self._f.keys()
+
+    def values(self) -> torch.Tensor:
+        return self._f.values()
+
+    def lengths(self) -> torch.Tensor:
+        return self._f.lengths()
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        return self._f.weights_or_none()
+
+    def variable_stride_per_key(self) -> bool:
+        return False
+
+    def stride(self) -> int:
+        return self._batch
+
+    def stride_per_key_per_rank(self) -> list[list[int]]:
+        raise AssertionError("stride_per_key_per_rank() called for a uniform-stride KJT")
+
+
+def test_uniform_kjt_strides_are_not_rebuilt(one_rank: None) -> None:
+    """A non-variable-stride KJT is read through ``stride()`` (not its per-key lists); same output."""
+    del one_rank
+    m = ShardedEmbeddingBags(TABLES, ShardingPlan.table_wise(TABLES, 1))
+    batch = make_batches(3, [4], weighted=True)[0]
+    features = batch.features(torch.device("cpu"))
+    with torch.no_grad():
+        want = m(features).values()
+        got = m(_UniformKJT(features, 4)).values()
+    close(got, want)
+
+
+def test_missing_feature_named_among_thousands(one_rank: None) -> None:
+    """3000 features (set-based O(F) check): the one missing is named; a complete key order passes."""
+    del one_rank
+    many = [_t(f"t{i}", 3, f"f{i}") for i in range(3000)]
+    layout = ShardingLayout.build(many, ShardingPlan.table_wise(many, 1))
+    dist_in = _input_dist(layout)
+    keys = tuple(layout.features[1:])
+    with pytest.raises(UnknownFeatureError, match=r"lacks feature.*`f0`"):
+        dist_in._check_keys(keys)
+    dist_in._check_keys(tuple(layout.features))
 
 
 # ------------------------------------------------------------------------------ multi-process

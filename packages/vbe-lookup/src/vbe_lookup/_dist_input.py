@@ -16,7 +16,6 @@ Phases (all collectives through :class:`~vbe_lookup._dist_comm.Communicator`, wi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +50,7 @@ class SourceContext:
         sorted_segment: ``[N]`` int64: ``rank * S_max + slot`` of each id in send order (device).
         sent: ``[W][S_d]`` host ids sent to each rank for each of its slots.
         ids_per_feature: ``[F_global]`` host number of local ids per global feature.
+        sent_counts: ``[W * S_max]`` int64 ids sent per padded segment ``rank * S_max + slot`` (device).
     """
 
     batch_size: int
@@ -61,6 +61,7 @@ class SourceContext:
     sorted_segment: Tensor
     sent: tuple[tuple[int, ...], ...]
     ids_per_feature: tuple[int, ...]
+    sent_counts: Tensor
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -137,6 +138,9 @@ class InputDistHandle:
     sent_per_rank: list[int]
     received_per_rank: list[int]
     received: tuple[tuple[int, ...], ...]  # [W][S_me]
+    received_counts: Tensor  # [W, S_me] int64 device: the same counts, for device-side index math
+    received_batch: Tensor  # [W] int64 device: each source's batch size
+    ids_per_slot: tuple[int, ...]  # [S_me] ids received per slot (all sources)
     batch_size_per_rank: tuple[int, ...]
     source: SourceContext
     done: bool = False
@@ -158,27 +162,57 @@ class InputDist:
         self.feature_index = {f: i for i, f in enumerate(layout.features)}
 
         num_features = len(layout.features)
-        k_max = max(len(s) for s in layout.shards)
+        world, s_max = self.world, self.s_max
         slot_of = {(s.feature, r): j for r, rl in enumerate(layout.ranks) for j, s in enumerate(rl.slots)}
-        starts = torch.full((num_features, k_max), _INT64_MAX, dtype=torch.int64)
-        ranks = torch.zeros((num_features, k_max), dtype=torch.int64)
-        slots = torch.zeros((num_features, k_max), dtype=torch.int64)
-        rows = torch.zeros(num_features, dtype=torch.int64)
+        # Every feature's rows laid end to end in one global row space; the shards' first rows there are
+        # one sorted boundary list, so bucketizing an id is one binary search: O(N log K) time, O(N)
+        # memory, whatever the number of shards (no [N, K] comparison).
+        feature_base: list[int] = []
+        bounds: list[int] = []
+        shard_rank: list[int] = []
+        shard_slot: list[int] = []
+        shard_row0: list[int] = []
+        rows: list[int] = []
+        acc = 0
         for f in range(num_features):
             t = layout.feature_table[f]
-            rows[f] = layout.tables[t].num_embeddings
-            for k, shard in enumerate(layout.shards[t]):
-                starts[f, k] = shard.row_start
-                ranks[f, k] = shard.rank
-                slots[f, k] = slot_of[(f, shard.rank)]
+            feature_base.append(acc)
+            rows.append(layout.tables[t].num_embeddings)
+            for shard in layout.shards[t]:
+                bounds.append(acc + shard.row_start)
+                shard_rank.append(shard.rank)
+                shard_slot.append(slot_of[(f, shard.rank)])
+                shard_row0.append(shard.row_start)
+            acc += layout.tables[t].num_embeddings
+        # Padded segment (rank * S_max + slot) → compact (rank, slot) index and global feature (F: padding).
+        compact = [0] * (world * s_max)
+        seg_feature = [num_features] * (world * s_max)
+        seg_dim = [0] * (world * s_max)
+        k = 0
+        for d, rl in enumerate(layout.ranks):
+            for j, (slot, dim) in enumerate(zip(rl.slots, rl.slot_dims, strict=True)):
+                compact[d * s_max + j] = k
+                seg_feature[d * s_max + j] = slot.feature
+                seg_dim[d * s_max + j] = dim
+                k += 1
+        self.num_compact = k
         dev = comm.device
-        self._starts = starts.to(dev)
-        self._ranks = ranks.to(dev)
-        self._slots = slots.to(dev)
-        self._rows = rows.to(dev)
+
+        def on_dev(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(dev)
+
+        self._feature_base = on_dev(feature_base)
+        self._bounds = on_dev(bounds)
+        self._shard_rank = on_dev(shard_rank)
+        self._shard_slot = on_dev(shard_slot)
+        self._shard_row0 = on_dev(shard_row0)
+        self._rows = on_dev(rows)
+        self._compact = on_dev(compact)
+        self._seg_feature = on_dev(seg_feature)
+        self.seg_dim = on_dev(seg_dim)
         self._key_cache: dict[tuple[str, ...], Tensor] = {}
-        self._send_len_cache: dict[int, Tensor] = {}
         self._recv_len_cache: dict[tuple[int, ...], Tensor] = {}
+        self._stride_cache: dict[tuple[int, ...], list[list[int]]] = {}
         self._step = 0  # input dists started; every rank sends it in the header and checks the others'
 
     # -- phase 1 ---------------------------------------------------------------------------------
@@ -226,24 +260,27 @@ class InputDist:
         kpos = torch.div(bag, max(batch, 1), rounding_mode="floor")
         sample = bag - kpos * batch
         g = key_index[kpos] if n else torch.zeros(0, dtype=torch.int64, device=dev)
-        starts = self._starts[g]  # [n, K]
-        shard = ((values.unsqueeze(1) >= starts).sum(1) - 1).clamp_(min=0)
-        dst = self._ranks[g, shard]
-        slot = self._slots[g, shard]
-        local_ids = values - starts.gather(1, shard.unsqueeze(1)).squeeze(1)
-        segment = dst * s_max + slot
+        shard = self._bucketize(g, values)
+        segment = self._shard_rank[shard] * s_max + self._shard_slot[shard]
+        local_ids = values - self._shard_row0[shard]
         perm = torch.sort(segment, stable=True).indices
         sorted_segment = segment[perm]
         inverse_perm = torch.empty_like(perm)
         inverse_perm[perm] = positions
         send_values = local_ids[perm]
         send_weights = None if weights is None else weights[perm]
-        counts = torch.bincount(segment, minlength=world * s_max).view(world, s_max)
-        per_bag = torch.bincount(segment * batch + sample, minlength=world * s_max * batch)
-        send_lengths = per_bag[self._send_len_index(batch)]
+        # Counts by scatter-add into known sizes: no `bincount` (on CUDA it reads min and max back).
+        ones = torch.ones_like(segment)
+        counts = torch.zeros(world * s_max, dtype=torch.int64, device=dev).scatter_add_(0, segment, ones)
+        # Bucketized lengths in send order [rank, slot < S_rank, sample]: compact segment * B + sample.
+        per_bag_key = self._compact[segment] * batch + sample
+        send_lengths = torch.zeros(self.num_compact * batch, dtype=torch.int64, device=dev).scatter_add_(
+            0, per_bag_key, ones
+        )
+        counts = counts.view(world, s_max)
 
         bad_ids = ((values < 0) | (values >= self._rows[g])).any()
-        bad_lengths = (ends[-1] != n) if bags else torch.tensor(n != 0, device=dev)
+        bad_lengths = (ends[-1] != n) if bags else torch.full((), n != 0, dtype=torch.bool, device=dev)
         bad_lengths = bad_lengths | (lengths < 0).any()
         # Device-side status (no host sync, no host-to-device copy): bad lengths win over bad ids.
         status = (
@@ -260,9 +297,20 @@ class InputDist:
         recv = self.comm.all_to_all(
             header.flatten(), [self.header_size] * world, [self.header_size] * world, "input dist header"
         )
-        # The only host sync of the input dist: what we send and what we receive.
-        both = torch.cat([header.flatten(), recv]).view(2, world, self.header_size).tolist()
-        mine, theirs = both[0], both[1]
+        recv_rows = recv.view(world, self.header_size)
+        my_slots = self.slot_counts[self.rank]
+        received_counts = recv_rows[:, _HEADER_FIXED : _HEADER_FIXED + my_slots]
+        num_features = len(self.layout.features)
+        ids_per_feature_dev = torch.zeros(num_features + 1, dtype=torch.int64, device=dev).index_add_(
+            0, self._seg_feature, counts.reshape(-1)
+        )[:num_features]
+        # The only host sync of the step: what we send, what we receive, and two sums derived from them.
+        flat = torch.cat([header.flatten(), recv, received_counts.sum(0), ids_per_feature_dev]).tolist()
+        size = world * self.header_size
+        mine = [flat[d * self.header_size : (d + 1) * self.header_size] for d in range(world)]
+        theirs = [flat[size + d * self.header_size : size + (d + 1) * self.header_size] for d in range(world)]
+        ids_per_slot = tuple(flat[2 * size : 2 * size + my_slots])
+        ids_per_feature = tuple(flat[2 * size + my_slots :])
         self._check_steps(step, [row[_STEP] for row in theirs])
         statuses = [row[0] for row in theirs]
         if any(statuses):
@@ -284,9 +332,7 @@ class InputDist:
         sent = tuple(
             tuple(row[_HEADER_FIXED : _HEADER_FIXED + self.slot_counts[d]]) for d, row in enumerate(mine)
         )
-        received = tuple(
-            tuple(row[_HEADER_FIXED : _HEADER_FIXED + self.slot_counts[self.rank]]) for row in theirs
-        )
+        received = tuple(tuple(row[_HEADER_FIXED : _HEADER_FIXED + my_slots]) for row in theirs)
         batch_per_rank = tuple(row[1] for row in theirs)
         weights_present = any(row[2] for row in theirs)
         weights_need_grad = any(row[3] for row in theirs)
@@ -295,10 +341,6 @@ class InputDist:
         if send_weights is not None:
             send_weights = send_weights.to(torch.float32)
 
-        ids_per_feature = [0] * len(self.layout.features)
-        for d, rl in enumerate(self.layout.ranks):
-            for j, s in enumerate(rl.slots):
-                ids_per_feature[s.feature] += sent[d][j]
         source = SourceContext(
             batch_size=batch,
             keys=keys,
@@ -307,7 +349,8 @@ class InputDist:
             inverse_perm=inverse_perm,
             sorted_segment=sorted_segment,
             sent=sent,
-            ids_per_feature=tuple(ids_per_feature),
+            ids_per_feature=ids_per_feature,
+            sent_counts=counts.reshape(-1),
         )
         lengths_out, lengths_work = self.comm.start_all_to_all(
             send_lengths,
@@ -324,6 +367,9 @@ class InputDist:
             sent_per_rank=[row[4] for row in mine],
             received_per_rank=[row[4] for row in theirs],
             received=received,
+            received_counts=received_counts,
+            received_batch=recv_rows[:, 1],
+            ids_per_slot=ids_per_slot,
             batch_size_per_rank=batch_per_rank,
             source=source,
         )
@@ -361,42 +407,25 @@ class InputDist:
         if weights_work is not None:
             comm.wait(weights_work, "input dist weights")
 
-        world = self.world
         num_slots = self.slot_counts[self.rank]
-        lengths = handle.lengths_out[self._recv_len_index(handle.batch_size_per_rank)]
-        # ids arrive source → slot; VBE wants slot → source: one jagged permutation of segments.
+        lengths = handle.lengths_out[self._recv_len_index(handle.batch_size_per_rank, handle.received_batch)]
+        # ids arrive source → slot; VBE wants slot → source: one jagged permutation of segments, built on
+        # the device from the received header (no host lists, no host-to-device copy).
         counts = handle.received
-        seg_len = [counts[s][j] for j in range(num_slots) for s in range(world)]
-        src_start: list[int] = []
-        acc = 0
-        starts_by_src = []
-        for s in range(world):
-            row = []
-            for j in range(num_slots):
-                row.append(acc)
-                acc += counts[s][j]
-            starts_by_src.append(row)
-        src_start = [starts_by_src[s][j] for j in range(num_slots) for s in range(world)]
-        total = acc
-        values = handle.lengths_out.new_empty(0) if total == 0 else None
+        total = sum(handle.received_per_rank)
+        values = values_out
         weights = recv_weights
         if total > 0:
-            dev = values_out.device
-            lens = torch.tensor(seg_len, dtype=torch.int64)
-            dst_start = torch.cumsum(lens, 0) - lens
-            shift = (torch.tensor(src_start, dtype=torch.int64) - dst_start).to(dev, non_blocking=True)
-            index = torch.repeat_interleave(shift, lens.to(dev, non_blocking=True), output_size=total)
-            index += torch.arange(total, device=dev)
+            index = _segment_transpose(handle.received_counts, total)
             values = values_out[index]
             if recv_weights is not None:
                 weights = recv_weights[index]
-        assert values is not None  # both branches above assign it
-        length_per_key = [sum(counts[s][j] for s in range(world)) for j in range(num_slots)]
-        stride = [list(handle.batch_size_per_rank) for _ in range(num_slots)]
+        length_per_key = handle.ids_per_slot
+        stride = self._stride(handle.batch_size_per_rank, num_slots)
         features = VBEFeatures(self.my_keys, values, lengths, stride, weights, length_per_key=length_per_key)
         return DistributedFeatures(
             features=features,
-            ids_per_slot_per_rank=tuple(tuple(counts[s][j] for s in range(world)) for j in range(num_slots)),
+            ids_per_slot_per_rank=tuple(zip(*counts, strict=True)),
             batch_size_per_rank=handle.batch_size_per_rank,
             weights_need_grad=handle.weights_need_grad,
             source=handle.source,
@@ -410,33 +439,25 @@ class InputDist:
             values = features.values()
             lengths = features.lengths()
             weights = features.weights_or_none()
-            stride = features.stride_per_key_per_rank()
+            batch = _uniform_batch_size(features)
+            stride = None if batch is not None else features.stride_per_key_per_rank()
         except AttributeError as err:
             raise InvalidFeaturesError(
                 f"`features` must be KeyedJaggedTensorLike (keys, values, lengths, weights_or_none, "
                 f"stride_per_key_per_rank), got {type(features).__name__}: {err}"
             ) from err
-        known = set(self.feature_index)
-        unknown = [k for k in keys if k not in known]
-        if unknown:
-            raise UnknownFeatureError(
-                f"`features` has key(s) {', '.join(f'`{k}`' for k in unknown)} that no table of the plan "
-                f"serves (known features: {', '.join(self.layout.features)})"
-            )
-        missing = [f for f in self.layout.features if f not in keys]
-        if missing:
-            raise UnknownFeatureError(
-                f"`features` lacks feature(s) {', '.join(f'`{k}`' for k in missing)} of the module's tables "
-                f"(got keys: {', '.join(keys) or 'none'})"
-            )
-        if len(set(keys)) != len(keys):
-            raise InvalidFeaturesError(f"`features` repeats keys: {list(keys)}")
-        if any(len(row) != 1 for row in stride) or len({row[0] for row in stride}) > 1:
-            raise BatchLayoutError(
-                f"`features` must be a local batch with one batch size for every key (stride_per_key_per_rank "
-                f"[[B]] * F), got {stride}"
-            )
-        batch = int(stride[0][0]) if stride else 0
+        # O(F) with sets and dicts (no `in tuple` scans), and skipped entirely for a key order seen before.
+        if keys not in self._key_cache:
+            self._check_keys(keys)
+        if stride is not None:
+            if any(len(row) != 1 for row in stride) or len({row[0] for row in stride}) > 1:
+                raise BatchLayoutError(
+                    f"`features` must be a local batch with one batch size for every key "
+                    f"(stride_per_key_per_rank [[B]] * F), got {stride}"
+                )
+            batch = int(stride[0][0]) if stride else 0
+        assert batch is not None  # from the uniform stride or the check just above
+
         if not isinstance(values, Tensor) or values.dim() != 1 or values.is_floating_point():
             raise InvalidFeaturesError(f"`values` must be a 1-D integer tensor, got {_describe(values)}")
         if not isinstance(lengths, Tensor) or lengths.dim() != 1 or lengths.is_floating_point():
@@ -461,6 +482,25 @@ class InputDist:
             )
         return keys, values.to(torch.int64), lengths.to(torch.int64), weights, batch
 
+    def _check_keys(self, keys: tuple[str, ...]) -> None:
+        """Every key is served, none is missing, none repeats: O(F) set and dict work."""
+        known = self.feature_index
+        unknown = [k for k in keys if k not in known]
+        if unknown:
+            raise UnknownFeatureError(
+                f"`features` has key(s) {', '.join(f'`{k}`' for k in unknown)} that no table of the plan "
+                f"serves (known features: {', '.join(self.layout.features)})"
+            )
+        given = set(keys)
+        missing = [f for f in self.layout.features if f not in given]
+        if missing:
+            raise UnknownFeatureError(
+                f"`features` lacks feature(s) {', '.join(f'`{k}`' for k in missing)} of the module's tables "
+                f"(got keys: {', '.join(keys) or 'none'})"
+            )
+        if len(given) != len(keys):
+            raise InvalidFeaturesError(f"`features` repeats keys: {list(keys)}")
+
     def _key_index(self, keys: tuple[str, ...]) -> Tensor:
         cached = self._key_cache.get(keys)
         if cached is None:
@@ -472,40 +512,38 @@ class InputDist:
             self._key_cache[keys] = cached
         return cached
 
-    def _send_len_index(self, batch: int) -> Tensor:
-        """Positions of ``[rank, slot < S_rank, sample]`` in the padded ``[W, S_max, B]`` counts."""
-        cached = self._send_len_cache.get(batch)
+    def _bucketize(self, g: Tensor, values: Tensor) -> Tensor:
+        """``[N]`` flat shard index of every id (feature ``g``, row ``values``): one binary search each.
+
+        Out-of-range ids land in some shard (they are reported through the header before any use).
+        """
+        global_row = self._feature_base[g] + values
+        return (torch.searchsorted(self._bounds, global_row, right=True) - 1).clamp_(min=0)
+
+    def _stride(self, batch_per_rank: tuple[int, ...], num_slots: int) -> list[list[int]]:
+        """``[S][W]`` VBE strides of the distributed features (cached per batch-size layout)."""
+        cached = self._stride_cache.get(batch_per_rank)
         if cached is None:
-            if len(self._send_len_cache) >= _MAX_CACHE:
-                self._send_len_cache.clear()
-            parts = [
-                torch.arange(d * self.s_max * batch, (d * self.s_max + self.slot_counts[d]) * batch)
-                for d in range(self.world)
-            ]
-            cached = torch.cat(parts).to(self.comm.device)
-            self._send_len_cache[batch] = cached
+            if len(self._stride_cache) >= _MAX_CACHE:
+                self._stride_cache.clear()
+            cached = [list(batch_per_rank)] * num_slots
+            self._stride_cache[batch_per_rank] = cached
         return cached
 
-    def _recv_len_index(self, batch_per_rank: Sequence[int]) -> Tensor:
-        """Gather index turning received lengths ``source → slot → sample`` into ``slot → source → sample``."""
-        key = tuple(batch_per_rank)
-        cached = self._recv_len_cache.get(key)
+    def _recv_len_index(self, batch_per_rank: tuple[int, ...], batch_dev: Tensor) -> Tensor:
+        """Gather index turning received lengths ``source → slot → sample`` into ``slot → source → sample``.
+
+        Built once per batch-size layout, on the device from the received header (``batch_dev``: ``[W]``
+        batch sizes), in O(S * W) device work and no host loop.
+        """
+        cached = self._recv_len_cache.get(batch_per_rank)
         if cached is None:
             if len(self._recv_len_cache) >= _MAX_CACHE:
                 self._recv_len_cache.clear()
             num_slots = self.slot_counts[self.rank]
-            base = []
-            acc = 0
-            for b in key:
-                base.append(acc)
-                acc += num_slots * b
-            parts = [
-                torch.arange(base[s] + j * key[s], base[s] + (j + 1) * key[s])
-                for j in range(num_slots)
-                for s in range(self.world)
-            ]
-            cached = (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)).to(self.comm.device)
-            self._recv_len_cache[key] = cached
+            total = num_slots * sum(batch_per_rank)
+            cached = _segment_transpose(batch_dev[:, None].expand(self.world, num_slots), total)
+            self._recv_len_cache[batch_per_rank] = cached
         return cached
 
     def _describe_bad_ids(
@@ -553,6 +591,42 @@ class InputDist:
             f"rank {self.rank}: input dist aborted because rank(s) {', '.join(map(str, failed))} rejected "
             f"their local batch: {details}"
         )
+
+
+def _uniform_batch_size(features: Any) -> int | None:
+    """The local batch size without building ``stride_per_key_per_rank()`` when the input says it is uniform.
+
+    :class:`~vbe_lookup.VBEFeatures` keeps its strides as tuples; a torchrec ``KeyedJaggedTensor`` that
+    is not variable-stride answers ``stride()`` (its strides would be rebuilt as lists on every call).
+    ``None``: read and check ``stride_per_key_per_rank()``.
+    """
+    if isinstance(features, VBEFeatures):
+        stride = features._stride
+        if stride and all(len(row) == 1 for row in stride) and len({row[0] for row in stride}) == 1:
+            return stride[0][0]
+        return None
+    variable = getattr(features, "variable_stride_per_key", None)
+    if callable(variable) and not variable() and callable(getattr(features, "stride", None)):
+        return int(features.stride())
+    return None
+
+
+def _segment_transpose(counts: Tensor, total: int) -> Tensor:
+    """Gather index reordering segments from ``source → slot`` to ``slot → source`` (device, no sync).
+
+    Args:
+        counts: ``[W, S]`` int64 segment lengths, laid out source-major (row ``w`` is source ``w``).
+        total: ``counts.sum()``, known on the host.
+
+    Returns:
+        ``[total]`` int64: position in the source-major buffer of each element of the slot-major one.
+    """
+    flat = counts.reshape(-1)
+    src_start = (torch.cumsum(flat, 0) - flat).view(counts.shape).t().reshape(-1)
+    seg_len = counts.t().reshape(-1)
+    dst_start = torch.cumsum(seg_len, 0) - seg_len
+    index = torch.repeat_interleave(src_start - dst_start, seg_len, output_size=total)
+    return index + torch.arange(total, device=counts.device)
 
 
 def _describe(obj: object) -> str:

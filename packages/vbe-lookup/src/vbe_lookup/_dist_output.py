@@ -32,6 +32,21 @@ class _OutputDistBase:
         self.s_max = max(1, *(len(r.slots) for r in layout.ranks))
         self.feature_dims = [layout.tables[t].embedding_dim for t in layout.feature_table]
         self.feature_index = {f: i for i, f in enumerate(layout.features)}
+        self._inverse_key_cache: dict[tuple[str, ...], Tensor] = {}
+
+    def inverse_keys(self, src: SourceContext) -> Tensor:
+        """``[F_global]`` position in the source's input keys of every module feature (cached per key order)."""
+        keys = src.keys
+        cached = self._inverse_key_cache.get(keys)
+        if cached is None:
+            if len(self._inverse_key_cache) >= _MAX_CACHE:
+                self._inverse_key_cache.clear()
+            position = {k: i for i, k in enumerate(keys)}
+            cached = torch.tensor(
+                [position[f] for f in self.layout.features], dtype=torch.int64, device=self.comm.device
+            )
+            self._inverse_key_cache[keys] = cached
+        return cached
 
     def _exchange(
         self,
@@ -86,7 +101,7 @@ class PooledOutputDist(_OutputDistBase):
         out = out.view(batch, self.total_dim)
         if self.has_mean and batch:
             src = dist.source
-            lengths = src.lengths.view(len(src.keys), batch).index_select(0, self._inverse_keys(src))
+            lengths = src.lengths.view(len(src.keys), batch).index_select(0, self.inverse_keys(src))
             # Mean pooling of the whole bag: the (partial) sums divided by the bag's length (empty: 0).
             inv = lengths.t().to(out.dtype).clamp(min=1).reciprocal()  # [B, F]
             scale = torch.where(
@@ -116,20 +131,17 @@ class PooledOutputDist(_OutputDistBase):
             self._target_cache[batch] = cached
         return cached
 
-    def _inverse_keys(self, src: SourceContext) -> Tensor:
-        keys = src.keys
-        cached = self._inverse_key_cache.get(keys)
-        if cached is None:
-            position = {k: i for i, k in enumerate(keys)}
-            cached = torch.tensor(
-                [position[f] for f in self.layout.features], dtype=torch.int64, device=self.comm.device
-            )
-            self._inverse_key_cache[keys] = cached
-        return cached
-
 
 class SequenceOutputDist(_OutputDistBase):
     """Sequence output dist: one embedding per id, returned to the id's original position."""
+
+    def __init__(self, layout: ShardingLayout, comm: Communicator) -> None:
+        super().__init__(layout, comm)
+        seg_dim = [0] * (self.world * self.s_max)
+        for d, rl in enumerate(layout.ranks):
+            for j, dim in enumerate(rl.slot_dims):
+                seg_dim[d * self.s_max + j] = dim
+        self._seg_dim = torch.tensor(seg_dim, dtype=torch.int64).to(comm.device)
 
     def __call__(self, lookup_out: Tensor, dist: DistributedFeatures, anchor: Tensor | None) -> list[Tensor]:
         """Return, per global feature, ``[ids of the feature in the local batch, dim]`` in input order."""
@@ -143,24 +155,16 @@ class SequenceOutputDist(_OutputDistBase):
         ]
         recv = self._exchange(lookup_out, out_splits, in_splits, anchor, "sequence output dist")
 
-        # Per padded segment (rank * S_max + slot): where it starts in the send order, in the received
-        # buffer, and its dim. Host lists of W * S_max entries, one small copy per step.
-        seg = self.world * self.s_max
-        send_start = [0] * seg
-        recv_start = [0] * seg
-        seg_dim = [0] * seg
-        ids = elems = 0
-        for d, rl in enumerate(self.layout.ranks):
-            for j, dim in enumerate(rl.slot_dims):
-                k = d * self.s_max + j
-                send_start[k], recv_start[k], seg_dim[k] = ids, elems, dim
-                ids += src.sent[d][j]
-                elems += src.sent[d][j] * dim
+        # Per padded segment (rank * S_max + slot): where it starts in the send order and in the received
+        # buffer, from the device-side counts sent (no host lists, no host-to-device copy).
         dev = recv.device
-        meta = torch.tensor([send_start, recv_start, seg_dim], dtype=torch.int64).to(dev, non_blocking=True)
+        sent_counts = src.sent_counts
+        elems = sent_counts * self._seg_dim
+        send_start = torch.cumsum(sent_counts, 0) - sent_counts
+        recv_start = torch.cumsum(elems, 0) - elems
         s = src.sorted_segment
         q = torch.arange(s.numel(), device=dev)
-        base = meta[1][s] + (q - meta[0][s]) * meta[2][s]  # [N] element offset of each sent id
+        base = recv_start[s] + (q - send_start[s]) * self._seg_dim[s]  # [N] element offset of each sent id
         base = base[src.inverse_perm]  # original id order (input key → sample → id)
 
         out: list[Tensor] = [recv] * len(self.layout.features)  # every entry is replaced below

@@ -659,10 +659,7 @@ class ShardedSequenceEmbeddings(_ShardedModule):
         src = dist_features.source
         batch = src.batch_size
         lengths = src.lengths.view(len(src.keys), batch)
-        position = {k: i for i, k in enumerate(src.keys)}
-        order = torch.tensor(
-            [position[f] for f in self.layout.features], dtype=torch.int64, device=lengths.device
-        )
+        order = self._output_dist.inverse_keys(src)  # cached per key order: no per-step copy
         return SequenceEmbeddings(self.layout.features, embeddings, lengths.index_select(0, order))
 
 
