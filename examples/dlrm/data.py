@@ -33,6 +33,7 @@ __all__ = [
     "DLRMBatch",
     "SyntheticConfig",
     "SyntheticCriteo",
+    "empty_batch",
     "make_features",
 ]
 
@@ -137,6 +138,17 @@ class DLRMBatch:
         )
 
 
+def empty_batch() -> DLRMBatch:
+    """A batch of 0 samples (a rank out of held-out data still joins the collective forwards with it)."""
+    return DLRMBatch(
+        dense_features=torch.zeros(0, NUM_DENSE),
+        sparse_features=make_features(
+            torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 0
+        ),
+        labels=torch.zeros(0),
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SyntheticConfig:
     """Shape of the synthetic Criteo-like data.
@@ -207,15 +219,21 @@ class SyntheticCriteo:
     """An iterable of :class:`DLRMBatch` with Criteo's schema for one rank (deterministic per seed and rank).
 
     Ids of feature ``f`` are Zipf ranks scrambled by a multiplicative hash modulo the table's rows, so that hot
-    ids are spread over the table. Iterating twice yields the same batches.
+    ids are spread over the table. Iterating twice yields the same batches. ``stream`` picks an independent
+    sequence of batches with the same hidden label model: stream 0 trains, stream 1 is the held-out split.
     """
 
-    def __init__(self, config: SyntheticConfig, *, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, config: SyntheticConfig, *, rank: int = 0, world_size: int = 1, stream: int = 0
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"`rank` is {rank}, expected 0..{world_size - 1}")
+        if not 0 <= stream < 2**15:
+            raise ValueError(f"`stream` is {stream}, expected 0..32767")
         self.config = config
         self.rank = rank
         self.world_size = world_size
+        self.stream = stream
         self._rows = torch.tensor(config.table_rows, dtype=torch.int64)
         dense_gen = torch.Generator().manual_seed(config.seed * 1_000_003 + 17)
         self._dense_weight = torch.randn(NUM_DENSE, generator=dense_gen, dtype=torch.float64) * 0.5
@@ -226,7 +244,12 @@ class SyntheticCriteo:
     def batch(self, index: int) -> DLRMBatch:
         """Batch ``index`` of this rank (random access: the generator is seeded per batch)."""
         cfg = self.config
-        gen = torch.Generator().manual_seed((cfg.seed * 65_537 + self.rank) * 1_000_003 + index)
+        base = (cfg.seed * 65_537 + self.rank) * 1_000_003 + index
+        if self.stream:
+            # Another stream: a multiplicative mix whose low 32 bits differ (the CPU generator's Mersenne
+            # twister seeds from those), so held-out batches are not training batches.
+            base = (base * 0x9E3779B1 + self.stream * 0x85EBCA77 + 0x165667B1) % (2**61 - 1)
+        gen = torch.Generator().manual_seed(base)
         low = cfg.batch_size if cfg.min_batch_size is None else cfg.min_batch_size
         batch = int(torch.randint(low, cfg.batch_size + 1, (1,), generator=gen))
 
@@ -273,7 +296,8 @@ class CriteoTSVReader:
     """Reads Criteo's TSV format: ``label \\t 13 integers \\t 26 hex hashes``, empty fields for missing values.
 
     Lines are dealt round-robin over ranks in batches: rank ``r`` of ``w`` gets batches ``r, r + w, ...`` of
-    ``batch_size`` lines (the last one may be short). Integers become ``log1p(max(x, 0))`` (missing → 0);
+    ``batch_size`` lines (the last one may be short). ``lines=(start, stop)`` keeps only the non-empty lines
+    ``start`` to ``stop - 1`` (0-based, over all files): the training part and the held-out tail of one file set. Integers become ``log1p(max(x, 0))`` (missing → 0);
     categorical hashes become ``int(hex, 16) % rows[f]`` (missing → empty bag).
     """
 
@@ -285,9 +309,12 @@ class CriteoTSVReader:
         table_rows: Sequence[int],
         rank: int = 0,
         world_size: int = 1,
+        lines: tuple[int, int | None] = (0, None),
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"`batch_size` is {batch_size}, expected >= 1")
+        if lines[0] < 0 or (lines[1] is not None and lines[1] < lines[0]):
+            raise ValueError(f"`lines` is {lines}, expected (start >= 0, stop >= start or None)")
         if len(table_rows) != NUM_SPARSE:
             raise ValueError(f"`table_rows` has {len(table_rows)} entries, expected {NUM_SPARSE}")
         self.paths = [Path(p) for p in paths]
@@ -298,15 +325,23 @@ class CriteoTSVReader:
         self.table_rows = tuple(table_rows)
         self.rank = rank
         self.world_size = world_size
+        self.lines = lines
 
     def _lines(self) -> Iterator[tuple[int, str]]:
         number = 0
+        kept = 0
+        start, stop = self.lines
         for path in self.paths:
             with path.open("r", encoding="utf-8") as handle:
                 for line in handle:
                     number += 1
                     stripped = line.rstrip("\r\n")
-                    if stripped:
+                    if not stripped:
+                        continue
+                    kept += 1
+                    if stop is not None and kept > stop:
+                        return
+                    if kept > start:
                         yield number, stripped
 
     def _parse(self, rows: list[tuple[int, str]]) -> DLRMBatch:
@@ -334,6 +369,14 @@ class CriteoTSVReader:
             sparse_features=make_features(values, lengths, batch),
             labels=labels,
         )
+
+    def count_lines(self) -> int:
+        """Non-empty lines of all files (ignoring ``lines``): a pass over the data, no parsing."""
+        total = 0
+        for path in self.paths:
+            with path.open("rb") as handle:
+                total += sum(1 for line in handle if line.strip(b"\r\n"))
+        return total
 
     def __iter__(self) -> Iterator[DLRMBatch]:
         pending: list[tuple[int, str]] = []

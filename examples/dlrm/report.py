@@ -1,64 +1,11 @@
-"""What the trainer shows: a progress bar on stderr, a summary table, and a PNG plot of loss and QPS."""
+"""What the trainer writes at the end: a summary table and a PNG plot of loss, held-out AUC and QPS."""
 
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
 
-__all__ = ["ProgressBar", "format_table", "plot_history", "smooth"]
-
-
-class ProgressBar:
-    """A one-line progress bar with the running loss and QPS (plain text: no dependency on tqdm).
-
-    On a terminal the line is redrawn in place; otherwise (a log file, CI) one line is printed every
-    ``every`` steps and at the end.
-    """
-
-    def __init__(
-        self, total: int | None, *, every: int = 25, stream: TextIO | None = None, enabled: bool = True
-    ) -> None:
-        self.total = total
-        self.every = max(1, every)
-        self.stream = sys.stderr if stream is None else stream
-        self.enabled = enabled
-        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._start = time.perf_counter()
-        self._last_draw = 0.0
-
-    def _line(self, step: int, loss: float, qps: float) -> str:
-        elapsed = time.perf_counter() - self._start
-        if self.total:
-            width = 30
-            filled = min(width, int(width * step / self.total))
-            bar = "#" * filled + "." * (width - filled)
-            head = f"[{bar}] {step}/{self.total}"
-        else:
-            head = f"step {step}"
-        return f"{head}  loss {loss:.4f}  {qps:,.0f} samples/s  {elapsed:.1f}s"
-
-    def update(self, step: int, loss: float, qps: float) -> None:
-        """Show step ``step`` (1-based) with the smoothed loss and the recent samples per second."""
-        if not self.enabled:
-            return
-        if self._tty:
-            now = time.perf_counter()
-            if now - self._last_draw >= 0.1 or step == self.total:
-                self.stream.write("\r" + self._line(step, loss, qps))
-                self.stream.flush()
-                self._last_draw = now
-        elif step % self.every == 0 or step == self.total:
-            self.stream.write(self._line(step, loss, qps) + "\n")
-            self.stream.flush()
-
-    def close(self) -> None:
-        """End the bar's line."""
-        if self.enabled and self._tty:
-            self.stream.write("\n")
-            self.stream.flush()
+__all__ = ["format_table", "plot_history", "smooth"]
 
 
 def format_table(rows: Sequence[Sequence[object]], headers: Sequence[str]) -> str:
@@ -92,9 +39,18 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
 
 
 def plot_history(
-    path: Path, steps: Sequence[int], losses: Sequence[float], qps: Sequence[float], title: str
+    path: Path,
+    steps: Sequence[int],
+    losses: Sequence[float],
+    qps: Sequence[float],
+    title: str,
+    *,
+    eval_steps: Sequence[int] = (),
+    eval_loss: Sequence[float] = (),
+    eval_auc: Sequence[float] = (),
 ) -> bool:
-    """Write a PNG with the training loss (raw and smoothed) and the QPS per step; False without matplotlib."""
+    """Write a PNG: training loss (raw and smoothed) with the held-out loss, the held-out AUC (when there are
+    evaluations) and the QPS per step; False without matplotlib."""
     try:
         import matplotlib
 
@@ -102,9 +58,21 @@ def plot_history(
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (ax_loss, ax_qps) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    ax_loss.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss")
-    ax_loss.plot(steps, smooth(losses, 20), color="tab:blue", linewidth=1.8, label="loss (moving avg 20)")
+    panels = 3 if eval_steps else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 2.6 * panels + 0.8), sharex=True)
+    ax_loss, ax_qps = axes[0], axes[-1]
+    ax_loss.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="train loss")
+    ax_loss.plot(
+        steps, smooth(losses, 20), color="tab:blue", linewidth=1.8, label="train loss (moving avg 20)"
+    )
+    if eval_steps:
+        ax_loss.plot(eval_steps, eval_loss, "o-", color="tab:red", linewidth=1.5, label="held-out loss")
+        ax_auc = axes[1]
+        ax_auc.plot(eval_steps, eval_auc, "o-", color="tab:purple", linewidth=1.5, label="held-out AUC")
+        ax_auc.axhline(0.5, color="gray", linestyle="--", linewidth=0.8, label="random model")
+        ax_auc.set_ylabel("AUC")
+        ax_auc.legend(loc="lower right")
+        ax_auc.grid(alpha=0.3)
     ax_loss.set_ylabel("BCE loss")
     ax_loss.legend(loc="upper right")
     ax_loss.grid(alpha=0.3)

@@ -4,8 +4,10 @@
 the batches go through pipeline-stages' ``StagedTrainPipeline`` (data_copy → start_sparse_data_dist → prefetch),
 the embedding tables are sharded table-wise by vbe-lookup's ``ShardedEmbeddingBags`` (small tables in fbgemm TBEs,
 Criteo's big ones in ssd-tbe-adapter key-value tables on RocksDB in the run folder), ``KTRegroupAsDict`` forms the
-interaction group. Rank 0 shows a progress bar, and at the end writes ``summary.md``/``summary.json`` and
-``loss_qps.png`` into the run folder; ``checkpoint/`` holds the last checkpoint, which ``--resume`` continues from.
+interaction group. Every ``--eval-every`` steps and at the end the model is evaluated on held-out data (AUC and
+normalized entropy over all ranks). Rank 0 shows a progress bar, appends per-step metrics to ``metrics.jsonl``
+(and TensorBoard when installed), and at the end writes ``summary.md``/``summary.json`` and ``loss_qps.png``;
+``checkpoint/`` holds the last DCP checkpoint, which ``--resume`` continues from (on any number of ranks).
 """
 
 from __future__ import annotations
@@ -13,9 +15,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import importlib.util
+import itertools
 import json
+import logging
+import math
 import os
 import platform
+import shutil
 import socket
 import sys
 import time
@@ -26,7 +33,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
+from examples.dlrm.checkpoint import load_checkpoint, read_meta, save_checkpoint
 from examples.dlrm.data import (
     CRITEO_KAGGLE_CARDINALITIES,
     NUM_DENSE,
@@ -35,15 +44,20 @@ from examples.dlrm.data import (
     DLRMBatch,
     SyntheticConfig,
     SyntheticCriteo,
+    empty_batch,
 )
 from examples.dlrm.embeddings import EmbeddingConfig, ShardedTables, build_sharded_tables
+from examples.dlrm.errors import ArgumentError, DLRMError
 from examples.dlrm.loader import BatchStream, worker_batches
+from examples.dlrm.logs import LOGGER_NAME, MetricsWriter, progress_bar, setup_logging
 from examples.dlrm.model import DLRM
 from examples.dlrm.replicate import replicate_dense
-from examples.dlrm.report import ProgressBar, format_table, plot_history
+from examples.dlrm.report import format_table, plot_history
 from pipeline_stages import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
 
-__all__ = ["TrainConfig", "TrainResult", "main", "parse_args", "train"]
+__all__ = ["TrainConfig", "TrainResult", "main", "parse_args", "train", "validate"]
+
+logger = logging.getLogger(LOGGER_NAME)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +93,43 @@ class TrainConfig:
     graph_dense: bool = True
     data_workers: int = 1
     graph_granularity: int = 512
+    eval_every: int = 0
+    eval_batches: int = 8
+    eval_data: tuple[Path, ...] = ()
+    eval_fraction: float | None = None
+    auc_thresholds: int | None = None
+    progress: bool = True
+    tensorboard: bool = True
+    log_all_ranks: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def model_config(self) -> dict[str, Any]:
+        """What a checkpoint must match to be resumed: the shapes of every weight and optimizer state."""
+        emb = self.embedding_config(1)
+        return {
+            "embedding_dim": self.embedding_dim,
+            "bottom_layers": list(self.bottom_layers),
+            "top_layers": list(self.top_layers),
+            "table_rows": list(emb.table_rows),
+            "kv_features": list(emb.kv_features),
+            "optimizer": self.optimizer,
+        }
+
+    @property
+    def held_out_fraction(self) -> float:
+        """Share of the ``--data`` lines held out for evaluation (0 with ``--eval-data`` or synthetic data)."""
+        if not self.data or self.eval_data:
+            return 0.0
+        return 0.1 if self.eval_fraction is None else self.eval_fraction
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run has held-out data to evaluate on."""
+        if self.eval_data:
+            return True
+        if self.data:
+            return self.held_out_fraction > 0
+        return self.eval_batches > 0
 
     def embedding_config(self, world_size: int) -> EmbeddingConfig:
         """Table layout and kernels of the sharded embedding module."""
@@ -128,6 +178,7 @@ class TrainResult:
     dense_state: dict[str, torch.Tensor]
     embedding_state: dict[str, torch.Tensor]
     summary: dict[str, Any]
+    evals: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _device(config: TrainConfig) -> torch.device:
@@ -141,10 +192,19 @@ def _device(config: TrainConfig) -> torch.device:
 
 
 def _batches(
-    config: TrainConfig, rank: int, world_size: int, start: int, *, pin: bool
+    config: TrainConfig,
+    rank: int,
+    world_size: int,
+    start: int,
+    *,
+    pin: bool,
+    tsv_lines: tuple[int, int | None] = (0, None),
 ) -> Iterator[DLRMBatch]:
     """This rank's batches from step ``start`` on (synthetic, or Criteo TSV with ``--data``); ``pin``: in pinned
-    host memory, so that the data_copy stage's non-blocking copies overlap on CUDA."""
+    host memory, so that the data_copy stage's non-blocking copies overlap on CUDA.
+
+    A TSV run reads the lines ``tsv_lines`` (the training part; its start is the data position of a resumed
+    run: the lines all ranks trained on, which also holds on another world size)."""
     if config.data:
         reader = CriteoTSVReader(
             config.data,
@@ -152,10 +212,11 @@ def _batches(
             table_rows=config.embedding_config(world_size).table_rows,
             rank=rank,
             world_size=world_size,
+            lines=tsv_lines,
         )
         # Parsed in a DataLoader worker (one: the reader is sequential), pinned on its pin thread.
         yield from worker_batches(
-            BatchStream(reader, start=start, stop=config.steps), workers=config.data_workers, pin=pin
+            BatchStream(reader, start=0, stop=config.steps - start), workers=config.data_workers, pin=pin
         )
         return
     source = SyntheticCriteo(config.synthetic(rank, world_size), rank=rank, world_size=world_size)
@@ -173,19 +234,36 @@ def _batches(
 
 
 class _Timer:
-    """Accumulates wall time per phase of the step (host time; on CUDA it includes waits that sync)."""
+    """Accumulates wall time per phase of the step (host time; on CUDA it includes waits that sync).
+
+    ``step`` holds the phases of the current step (reset by :meth:`start`).
+    """
 
     def __init__(self) -> None:
         self.total: dict[str, float] = {}
+        self.step: dict[str, float] = {}
         self._start = 0.0
 
     def start(self) -> None:
         self._start = time.perf_counter()
+        self.step = {}
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
         self.total[name] = self.total.get(name, 0.0) + now - self._start
+        self.step[name] = self.step.get(name, 0.0) + now - self._start
         self._start = now
+
+
+@dataclass
+class _Window:
+    """The steps since the last log: their losses stay on the device until then (no host sync per step)."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    phases: list[dict[str, float]] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
 
 
 def _new_stream(device: torch.device) -> torch.cuda.Stream:
@@ -199,66 +277,88 @@ def _all_or_none(batch: DLRMBatch | None, device: torch.device) -> DLRMBatch | N
     return batch if int(flag) == 1 else None
 
 
-def _checkpoint_dir(out: Path) -> Path:
-    return out / "checkpoint"
+def _has_torchmetrics() -> bool:
+    """Whether the evaluation's library is installed (the GPU images may lack it: then no evaluation)."""
+    return importlib.util.find_spec("torchmetrics") is not None
 
 
-def save_checkpoint(
-    out: Path,
-    rank: int,
-    step: int,
-    model: DLRM,
-    tables: ShardedTables,
-    optimizer: torch.optim.Optimizer,
-    history: dict[str, list[float]],
-) -> None:
-    """Checkpoint of this rank: dense weights + optimizer, its embedding shards (TBE weights and optimizer state),
-    and a flush of its key-value tables (whose rows stay in the RocksDB store of the run folder)."""
-    tables.flush()
-    folder = _checkpoint_dir(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {
-        "world_size": tables.world_size,
-        "step": step,
-        "dense": model.dense_state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "embeddings": tables.local_state(),
-        "history": history,
-    }
-    tmp = folder / f"rank{rank}.pt.tmp"
-    torch.save(state, tmp)
-    tmp.replace(folder / f"rank{rank}.pt")
+def _segment_end(step: int, config: TrainConfig) -> int:
+    """The next step after ``step`` at which the pipeline drains: an evaluation, a checkpoint or the end."""
+    periods = (config.eval_every if config.evaluates else 0, config.checkpoint_every)
+    return min([config.steps, *((step // every + 1) * every for every in periods if every > 0)])
 
 
-def load_checkpoint(
-    out: Path, rank: int, model: DLRM, tables: ShardedTables, optimizer: torch.optim.Optimizer
-) -> tuple[int, dict[str, list[float]]]:
-    """Restore what :func:`save_checkpoint` wrote; returns (next step, history)."""
-    path = _checkpoint_dir(out) / f"rank{rank}.pt"
-    if not path.is_file():
-        raise FileNotFoundError(f"`--resume` given but {path} does not exist")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    saved_world = int(state.get("world_size", tables.world_size))
-    if saved_world != tables.world_size:
-        raise ValueError(
-            f"checkpoint {path} was written by {saved_world} ranks, this run has {tables.world_size}; "
-            "`--resume` needs the same number of ranks"
+def _tsv_split(config: TrainConfig, world_size: int) -> tuple[int | None, CriteoTSVReader | None]:
+    """``(end of the training lines, reader of the held-out lines)`` of a TSV run; ``(None, None)`` otherwise."""
+    if not config.data:
+        if not config.eval_data:
+            return None, None
+        train_stop = None
+        paths, lines = config.eval_data, (0, None)
+    elif config.eval_data:
+        train_stop, paths, lines = None, config.eval_data, (0, None)
+    else:
+        fraction = config.held_out_fraction
+        if fraction <= 0:
+            return None, None
+        probe = CriteoTSVReader(config.data, batch_size=1, table_rows=config.embedding_config(1).table_rows)
+        total = probe.count_lines()
+        held = max(1, math.ceil(total * fraction))
+        train_stop = total - held
+        paths, lines = config.data, (train_stop, None)
+    reader = CriteoTSVReader(
+        paths,
+        batch_size=config.batch_size,
+        table_rows=config.embedding_config(world_size).table_rows,
+        rank=dist.get_rank(),
+        world_size=world_size,
+        lines=lines,
+    )
+    return train_stop, reader
+
+
+def _eval_batches(
+    config: TrainConfig, rank: int, world_size: int, device: torch.device, reader: CriteoTSVReader | None
+) -> Iterator[DLRMBatch]:
+    """This rank's held-out batches, the same number on every rank (the forward is collective).
+
+    Synthetic data: ``--eval-batches`` batches of the held-out stream (stream 1: never a training batch).
+    TSV: every held-out line once; a rank whose share ran out joins with empty batches until all have.
+    """
+    if reader is None:
+        source = SyntheticCriteo(
+            config.synthetic(rank, world_size), rank=rank, world_size=world_size, stream=1
         )
-    model.load_dense_state_dict(state["dense"])
-    optimizer.load_state_dict(state["optimizer"])
-    tables.load_local_state(state["embeddings"])
-    return int(state["step"]), {k: list(v) for k, v in state["history"].items()}
+        for index in range(config.eval_batches):
+            yield source.batch(index)
+        return
+    batches = iter(reader)
+    while True:
+        batch = next(batches, None)
+        flag = torch.tensor([0 if batch is None else 1], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag) == 0:
+            return
+        yield empty_batch() if batch is None else batch
 
 
 def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: bool = False) -> TrainResult:
     """Train on this rank (the default process group must be initialised, every rank calls this).
 
     ``collect_kv_rows`` puts every key-value row into the result's ``embedding_state`` (for tests).
+
+    Raises:
+        ArgumentError: a bad configuration (see :func:`validate`), on every rank before any collective.
+        CheckpointError: ``resume`` without a compatible checkpoint.
     """
+    validate(config, check_resume=False)
     device = _device(config)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     config.out.mkdir(parents=True, exist_ok=True)
+    # The key-value store is the tables' working copy; the checkpoint holds their rows, so each run (fresh or
+    # resumed, on any world size) starts from an empty store.
+    shutil.rmtree(config.out / "kv" / f"rank{rank}", ignore_errors=True)
     group = dist.group.WORLD
     tables = build_sharded_tables(
         config.embedding_config(world_size),
@@ -294,15 +394,50 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
 
     start = 0
     history: dict[str, list[float]] = {"loss": [], "samples": [], "seconds": []}
+    evals: list[dict[str, Any]] = []
+    tsv_start = 0  # TSV data position: lines trained on by all ranks
     if config.resume:
-        start, history = load_checkpoint(config.out, rank, model, tables, optimizer)
+        meta, history = load_checkpoint(
+            config.out,
+            rank=rank,
+            world_size=world_size,
+            model=model,
+            tables=tables,
+            optimizer=optimizer,
+            model_config=config.model_config(),
+        )
+        start, evals, tsv_start = (
+            int(meta["step"]),
+            list(meta.get("evals", [])),
+            int(meta.get("tsv_lines", 0)),
+        )
+        logger.info(
+            "resumed from step %d (checkpoint of %d ranks, now %d)", start, meta["world_size"], world_size
+        )
+    train_stop, eval_reader = _tsv_split(config, world_size)
+    metrics: Any = None
+    if config.evaluates and _has_torchmetrics():
+        from examples.dlrm.evaluation import EvalMetrics
+
+        metrics = EvalMetrics(device, auc_thresholds=config.auc_thresholds)
+    elif config.evaluates:
+        logger.warning(
+            "torchmetrics is not installed (examples/dlrm/requirements.txt): no held-out evaluation"
+        )
 
     timer = _Timer()
-    bar = ProgressBar(config.steps, every=config.log_every, enabled=rank == 0)
+    writer = MetricsWriter(
+        config.out / "metrics.jsonl",
+        tensorboard_dir=config.out / "tensorboard" if config.tensorboard else None,
+        enabled=rank == 0,
+    )
+    bar = progress_bar(config.steps, start, enabled=rank == 0 and config.progress)
     losses: list[float] = []
     samples: list[int] = []
     seconds: list[float] = []
-    batches = _batches(config, rank, world_size, start, pin=device.type == "cuda")
+    batches = _batches(
+        config, rank, world_size, start, pin=device.type == "cuda", tsv_lines=(tsv_start, train_stop)
+    )
 
     pipeline: StagedTrainPipeline | None = None
     sdd: SparseDataDistUtil | None = None
@@ -337,75 +472,158 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
             device_timing=cuda,
         )
 
+    def flush_window(window: _Window, step: int) -> None:
+        """Losses of the window to the host, one reduction over the ranks, records to metrics.jsonl."""
+        if not window.losses:
+            return
+        local = torch.stack(window.losses).double().tolist()
+        losses.extend(local)
+        kv = tables.kv_metrics()
+        kv_counts = [kv.get(k, 0.0) for k in ("hits", "lookups", "forward_hits", "forward_lookups")]
+        packed = torch.tensor([*local, *map(float, window.samples), *kv_counts], dtype=torch.float64)
+        slowest = torch.tensor(window.seconds, dtype=torch.float64)
+        if world_size > 1:
+            packed = _reduced(packed, device)
+            slowest = _reduced(slowest, device, dist.ReduceOp.MAX)
+        n = len(local)
+        step_loss = (packed[:n] / world_size).tolist()
+        step_samples = packed[n : 2 * n].tolist()
+        hits, lookups, forward_hits, forward_lookups = packed[2 * n :].tolist()
+        for i in range(n):
+            writer.write(
+                {
+                    "kind": "train",
+                    "step": step - n + 1 + i,
+                    "loss": step_loss[i],
+                    "samples": step_samples[i],
+                    "step_seconds": float(slowest[i]),
+                    "qps": step_samples[i] / max(float(slowest[i]), 1e-9),
+                    "phase_ms": {k: 1e3 * v for k, v in window.phases[i].items()},
+                    "kv_hit_rate": hits / lookups if lookups else math.nan,
+                    "kv_forward_hit_rate": forward_hits / forward_lookups if forward_lookups else math.nan,
+                }
+            )
+        writer.flush()
+        elapsed = max(time.perf_counter() - window.start, 1e-9)
+        postfix = {"loss": f"{sum(step_loss) / n:.4f}", "qps": f"{sum(step_samples) / elapsed:,.0f}"}
+        if evals:
+            postfix["auc"] = f"{evals[-1]['auc']:.4f}"
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(step - bar.n)
+
+    def run_eval(step: int) -> None:
+        assert metrics is not None
+        began = time.perf_counter()
+        from examples.dlrm.evaluation import evaluate
+
+        values = evaluate(
+            model, _eval_batches(config, rank, world_size, device, eval_reader), device, metrics
+        )
+        record = {"kind": "eval", "step": step, **values, "seconds": time.perf_counter() - began}
+        evals.append(record)
+        writer.write(record)
+        writer.flush()
+        logger.info(
+            "eval at step %d: AUC %.4f, NE %.4f, log loss %.4f over %d samples (%.1f s)",
+            step,
+            values["auc"],
+            values["ne"],
+            values["loss"],
+            values["samples"],
+            record["seconds"],
+        )
+
+    def checkpoint(step: int) -> None:
+        lines = tsv_start + (step - start) * world_size * config.batch_size if config.data else 0
+        save_checkpoint(
+            config.out,
+            rank=rank,
+            world_size=world_size,
+            step=step,
+            model=model,
+            tables=tables,
+            optimizer=optimizer,
+            history=_merged(history, losses, samples, seconds),
+            evals=evals,
+            model_config=config.model_config(),
+            extra={"tsv_lines": lines} if config.data else None,
+        )
+
     step = start
-    window_samples = 0
-    window_start = time.perf_counter()
-    # Losses stay on the device until a log step: no host sync per step on CUDA.
-    pending: list[torch.Tensor] = []
+    exhausted = False
+    side_seconds = {"eval": 0.0, "checkpoint": 0.0}
     wall_start = time.perf_counter()
-    while True:
-        step_start = time.perf_counter()
-        timer.start()
-        batch: DLRMBatch | None
-        if pipeline is not None:
-            batch = pipeline.progress(batches)
-        else:
-            batch = next(batches, None)
-            if config.data:
-                batch = _all_or_none(batch, device)
-            if batch is not None:
-                batch = batch.to(device, non_blocking=True)
-        timer.lap("data + pipeline stages")
-        if batch is None:
-            break
-        optimizer.zero_grad(set_to_none=True)
-        loss = train_loss(batch)
-        timer.lap("forward")
-        loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is unannotated in torch
-        timer.lap("backward (incl. fused sparse optimizer, dense all-reduce)")
-        optimizer.step()
-        timer.lap("dense optimizer")
-        step += 1
-        pending.append(loss.detach())
-        samples.append(batch.batch_size)
-        seconds.append(time.perf_counter() - step_start)
-        window_samples += batch.batch_size
-        last = step == config.steps
+    # Segments end where the pipeline must be empty: before an evaluation (its forwards would take a
+    # training batch's pipelined input) and a checkpoint (nothing in flight, the data position exact).
+    while step < config.steps and not exhausted:
+        end = _segment_end(step, config)
+        segment = itertools.islice(batches, end - step)
+        window = _Window()
+        while True:
+            step_start = time.perf_counter()
+            timer.start()
+            batch: DLRMBatch | None
+            if pipeline is not None:
+                batch = pipeline.progress(segment)
+            else:
+                batch = next(segment, None)
+                if config.data:
+                    batch = _all_or_none(batch, device)
+                if batch is not None:
+                    batch = batch.to(device, non_blocking=True)
+            timer.lap("data + pipeline stages")
+            if batch is None:
+                break
+            optimizer.zero_grad(set_to_none=True)
+            loss = train_loss(batch)
+            timer.lap("forward")
+            loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is unannotated in torch
+            timer.lap("backward (incl. fused sparse optimizer, dense all-reduce)")
+            optimizer.step()
+            timer.lap("dense optimizer")
+            step += 1
+            window.losses.append(loss.detach())
+            window.samples.append(batch.batch_size)
+            window.seconds.append(time.perf_counter() - step_start)
+            window.phases.append(dict(timer.step))
+            samples.append(batch.batch_size)
+            seconds.append(window.seconds[-1])
+            if step % config.log_every == 0:
+                flush_window(window, step)
+                window = _Window()
+                timer.lap("logging")
+        flush_window(window, step)
+        exhausted = step < end
+        began = time.perf_counter()
+        if metrics is not None and config.eval_every > 0 and step % config.eval_every == 0:
+            run_eval(step)
+        side_seconds["eval"] += time.perf_counter() - began
+        began = time.perf_counter()
         if (
-            step % config.log_every == 0
-            or last
-            or (config.checkpoint_every and step % config.checkpoint_every == 0)
+            config.checkpoint_every
+            and step % config.checkpoint_every == 0
+            and step < config.steps
+            and not exhausted
         ):
-            window = torch.stack(pending).double()
-            losses.extend(window.tolist())
-            stats = torch.stack(
-                [
-                    window.new_tensor(float(window_samples)),
-                    window.sum(),
-                    window.new_tensor(float(window.numel())),
-                ]
-            )
-            if world_size > 1:
-                dist.all_reduce(stats)
-            elapsed = time.perf_counter() - window_start
-            total = stats.tolist()
-            bar.update(step, total[1] / total[2], total[0] / max(elapsed, 1e-9))
-            pending, window_samples, window_start = [], 0, time.perf_counter()
-        if config.checkpoint_every and step % config.checkpoint_every == 0:
-            save_checkpoint(
-                config.out, rank, step, model, tables, optimizer, _merged(history, losses, samples, seconds)
-            )
-        timer.lap("logging + checkpoint")
-    if pending:
-        losses.extend(torch.stack(pending).double().tolist())
+            checkpoint(step)
+        side_seconds["checkpoint"] += time.perf_counter() - began
     bar.close()
-    wall = time.perf_counter() - wall_start
+    began = time.perf_counter()
+    if metrics is not None and (not evals or evals[-1]["step"] != step):
+        run_eval(step)
+    side_seconds["eval"] += time.perf_counter() - began
     if sdd is not None:
         sdd.detach()
+    began = time.perf_counter()
+    checkpoint(step)
+    side_seconds["checkpoint"] += time.perf_counter() - began
+    wall = time.perf_counter() - wall_start - side_seconds["eval"] - side_seconds["checkpoint"]
+    writer.close()
 
     history = _merged(history, losses, samples, seconds)
-    save_checkpoint(config.out, rank, step, model, tables, optimizer, history)
-    summary = _summarize(config, rank, world_size, device, timer, wall, history, tables, pipeline, start)
+    summary = _summarize(
+        config, rank, world_size, device, timer, wall, history, tables, pipeline, start, evals, side_seconds
+    )
     dense_state = model.dense_state_dict()
     embedding_state = tables.local_state(include_kv=collect_kv_rows)
     tables.close()
@@ -418,6 +636,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         dense_state=dense_state,
         embedding_state=embedding_state,
         summary=summary,
+        evals=evals,
     )
 
 
@@ -442,6 +661,8 @@ def _summarize(
     tables: ShardedTables,
     pipeline: StagedTrainPipeline | None,
     start: int,
+    evals: list[dict[str, Any]],
+    side_seconds: dict[str, float],
 ) -> dict[str, Any]:
     """Gather per-step numbers over the ranks; rank 0 writes summary.md, summary.json and the plot."""
     steps = len(history["loss"])
@@ -479,6 +700,8 @@ def _summarize(
         "steps": steps,
         "steps_this_run": run_steps,
         "wall_seconds": run_wall,
+        "eval_seconds": side_seconds["eval"],
+        "checkpoint_seconds": side_seconds["checkpoint"],
         "samples_this_run": run_samples,
         "qps": run_samples / max(run_wall, 1e-9),
         "qps_steady": _steady_qps(per_step[0, start:].tolist(), per_step[2, start:].tolist()),
@@ -487,6 +710,10 @@ def _summarize(
         "kv_cache_hit_rate": hit_rate,
         "kv_forward_hit_rate": forward_hit_rate,
         "kv_metrics_rank0": kv,
+        "eval_auc": evals[-1]["auc"] if evals else math.nan,
+        "eval_ne": evals[-1]["ne"] if evals else math.nan,
+        "eval_loss": evals[-1]["loss"] if evals else math.nan,
+        "evals": evals,
         "phase_ms_per_step": {
             p: 1e3 * float(t) / max(run_steps, 1) for p, t in zip(phases, phase_t, strict=True)
         },
@@ -495,16 +722,27 @@ def _summarize(
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(config).items()},
     }
     summary["config"]["data"] = [str(p) for p in config.data]
+    summary["config"]["eval_data"] = [str(p) for p in config.eval_data]
     rows: list[list[object]] = [
         ["steps (this run)", f"{run_steps} ({steps} total)"],
         ["ranks × device", f"{world_size} × {summary['device']} ({summary['backend']})"],
-        ["wall time", f"{run_wall:.1f} s"],
+        ["training wall time (without eval and checkpoints)", f"{run_wall:.1f} s"],
         ["QPS (samples/s, all ranks)", f"{summary['qps']:,.0f}"],
         ["QPS steady state (after warm-up)", f"{summary['qps_steady']:,.0f}"],
         ["loss first → last (mean of 20 steps)", f"{summary['loss_first']:.4f} → {summary['loss_last']:.4f}"],
         ["key-value cache hit rate (first look, all ranks)", _percent(hit_rate)],
         ["key-value hit rate at forward (after prefetch)", _percent(forward_hit_rate)],
     ]
+    if evals:
+        last = evals[-1]
+        rows += [
+            [
+                f"held-out AUC / NE at step {last['step']} ({last['samples']:,.0f} samples)",
+                f"{last['auc']:.4f} / {last['ne']:.4f}",
+            ],
+            ["held-out log loss, label rate", f"{last['loss']:.4f}, {last['ctr']:.3f}"],
+            ["eval, checkpoint time", f"{side_seconds['eval']:.1f} s, {side_seconds['checkpoint']:.1f} s"],
+        ]
     phase_rows: list[list[object]] = [[p, ms] for p, ms in summary["phase_ms_per_step"].items()]
     stage_rows: list[list[object]] = [[name, ms] for name, ms in stage_stats.items()]
     text = [
@@ -534,12 +772,16 @@ def _summarize(
         list(range(1, steps + 1)),
         losses,
         qps,
-        f"DLRM, {world_size} × {summary['device']}: loss and QPS",
+        f"DLRM, {world_size} × {summary['device']}: loss, held-out AUC and QPS",
+        eval_steps=[int(e["step"]) for e in evals],
+        eval_loss=[float(e["loss"]) for e in evals],
+        eval_auc=[float(e["auc"]) for e in evals],
     )
-    print("\n" + md, file=sys.stderr)
-    print(
-        f"outputs: {config.out}/summary.md, summary.json" + (", loss_qps.png" if plotted else ""),
-        file=sys.stderr,
+    logger.info("summary\n%s", md)
+    logger.info(
+        "outputs: %s/summary.md, summary.json, metrics.jsonl%s",
+        config.out,
+        ", loss_qps.png" if plotted else "",
     )
     return summary
 
@@ -648,8 +890,37 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument(
         "--data", type=Path, nargs="*", default=[], help="Criteo TSV file(s) instead of synthetic data"
     )
+    p.add_argument(
+        "--eval-data", type=Path, nargs="*", default=[], help="held-out Criteo TSV file(s) for the evaluation"
+    )
+    p.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=None,
+        help="with --data and no --eval-data: hold out this last share of the lines (default 0.1)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="evaluate every N steps (and always at the end); 0: at the end",
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=defaults.eval_batches,
+        help="synthetic data: held-out batches per rank (a separate seed stream); 0: no evaluation",
+    )
+    p.add_argument(
+        "--auc-thresholds", type=int, default=None, help="bin the AUC into N thresholds (default: exact AUC)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard files even when installed")
+    p.add_argument("--log-all-ranks", action="store_true", help="INFO logs of every rank (default: rank 0)")
     p.add_argument("--no-pipeline", action="store_true", help="plain loop instead of the StagedTrainPipeline")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the checkpoint in --out (any number of ranks)"
+    )
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
     p.add_argument("--log-every", type=int, default=defaults.log_every)
     p.add_argument(
@@ -707,7 +978,60 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         data_workers=a.data_workers,
         graph_granularity=a.graph_granularity,
         device=a.device,
+        eval_every=a.eval_every,
+        eval_batches=a.eval_batches,
+        eval_data=tuple(a.eval_data),
+        eval_fraction=a.eval_fraction,
+        auc_thresholds=a.auc_thresholds,
+        progress=not a.no_progress,
+        tensorboard=not a.no_tensorboard,
+        log_all_ranks=a.log_all_ranks,
     )
+
+
+def validate(config: TrainConfig, *, check_resume: bool = True) -> None:
+    """Check the options before any process group or kernel exists (each rank gets the same answer).
+
+    Raises:
+        ArgumentError: a data path that is not a file, evaluation asked for without held-out data, a
+            non-positive size.
+        CheckpointError: ``resume`` (with ``check_resume``) and no checkpoint, or an incompatible one.
+    """
+    for flag, value in (
+        ("--steps", config.steps),
+        ("--batch-size", config.batch_size),
+        ("--log-every", config.log_every),
+    ):
+        if value < 1:
+            raise ArgumentError(f"`{flag}` is {value}, expected >= 1")
+    for flag, paths in (("--data", config.data), ("--eval-data", config.eval_data)):
+        for path in paths:
+            if not path.is_file():
+                raise ArgumentError(f"`{flag}` names {str(path)!r}, which is not a file")
+    if config.eval_fraction is not None:
+        if not config.data:
+            raise ArgumentError(
+                "`--eval-fraction` holds out the last lines of the `--data` files, but no `--data` is given "
+                "(synthetic runs hold out `--eval-batches` batches of their own)"
+            )
+        if not 0.0 <= config.eval_fraction < 1.0:
+            raise ArgumentError(f"`--eval-fraction` is {config.eval_fraction}, expected 0 <= f < 1")
+    if config.eval_every < 0 or config.eval_batches < 0:
+        raise ArgumentError(
+            f"`--eval-every` ({config.eval_every}) and `--eval-batches` ({config.eval_batches}) must be >= 0"
+        )
+    if config.eval_every > 0 and not config.evaluates:
+        source = "`--eval-fraction` is 0 and no `--eval-data`" if config.data else "`--eval-batches` is 0"
+        raise ArgumentError(
+            f"`--eval-every {config.eval_every}` asks for evaluations, but there is no held-out data ({source})"
+        )
+    if config.eval_every > 0 and not _has_torchmetrics():
+        raise ArgumentError(
+            f"`--eval-every {config.eval_every}` needs torchmetrics, which is not installed "
+            "(pip install -r examples/dlrm/requirements.txt)"
+        )
+    if config.resume and check_resume:
+        read_meta(config.out, config.model_config())
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -721,9 +1045,22 @@ def _free_port() -> int:
         return port
 
 
+def _report(error: DLRMError) -> int:
+    """One line on stderr (from the first rank only) instead of a traceback; exit status 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {error}", file=sys.stderr)
+    return 2
+
+
+@record
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of one torchrun worker."""
+    """Entry point of one torchrun worker (``@record``: a failing rank's traceback goes to torchrun's error file)."""
     config = parse_args(argv)
+    try:
+        validate(config)
+    except DLRMError as error:
+        return _report(error)
+    setup_logging(int(os.environ.get("RANK", "0")), all_ranks=config.log_all_ranks)
     backend = "nccl" if _device(config).type == "cuda" else "gloo"
     timeout = dt.timedelta(seconds=120)
     if "RANK" in os.environ:  # started by torchrun
@@ -734,6 +1071,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.init_process_group(backend=backend, rank=0, world_size=1, timeout=timeout)
     try:
         train(config, rank=dist.get_rank(), world_size=dist.get_world_size())
+    except DLRMError as error:
+        return _report(error)
     finally:
         dist.destroy_process_group()
     return 0

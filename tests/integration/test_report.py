@@ -1,34 +1,52 @@
-"""What the trainer shows and writes: progress lines, the summary table, the plot, the run folder's name."""
+"""What the trainer shows and writes: metrics.jsonl, rank-aware logs, the summary table, the plot, the run folder."""
 
 from __future__ import annotations
 
-import io
+import json
 from pathlib import Path
 
+import pytest
+
 from examples.dlrm.launch import run_folder
-from examples.dlrm.report import ProgressBar, format_table, plot_history, smooth
+from examples.dlrm.logs import MetricsWriter, setup_logging
+from examples.dlrm.report import format_table, plot_history, smooth
 
 
-def test_progress_bar_prints_a_line_every_n_steps_off_a_terminal() -> None:
-    """Without a terminal the bar prints one line per `every` steps and at the last step, with loss and QPS."""
-    out = io.StringIO()
-    bar = ProgressBar(10, every=4, stream=out)
-    for step in range(1, 11):
-        bar.update(step, 0.5, 1234.0)
-    bar.close()
-    lines = out.getvalue().splitlines()
-    assert [line.split("]")[1].split()[0] for line in lines] == ["4/10", "8/10", "10/10"]
-    assert "loss 0.5000" in lines[0]
-    assert "1,234 samples/s" in lines[0]
+def test_metrics_writer_appends_json_lines_without_nan(tmp_path: Path) -> None:
+    """Records go to metrics.jsonl one per line (appended on reopen, as a resumed run does); NaN becomes null."""
+    path = tmp_path / "metrics.jsonl"
+    with MetricsWriter(path) as writer:
+        writer.write({"kind": "train", "step": 1, "loss": 0.5, "phase_ms": {"forward": 2.0}})
+    with MetricsWriter(path) as writer:
+        writer.write({"kind": "eval", "step": 2, "auc": float("nan")})
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records == [
+        {"kind": "train", "step": 1, "loss": 0.5, "phase_ms": {"forward": 2.0}},
+        {"kind": "eval", "step": 2, "auc": None},
+    ]
 
 
-def test_progress_bar_of_another_rank_prints_nothing() -> None:
-    """A disabled bar (ranks other than 0) writes nothing."""
-    out = io.StringIO()
-    bar = ProgressBar(3, every=1, stream=out, enabled=False)
-    bar.update(1, 0.1, 1.0)
-    bar.close()
-    assert out.getvalue() == ""
+def test_metrics_writer_of_another_rank_writes_nothing(tmp_path: Path) -> None:
+    """A disabled writer (ranks other than 0) creates no file."""
+    with MetricsWriter(tmp_path / "m.jsonl", enabled=False) as writer:
+        writer.write({"kind": "train", "step": 1})
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_logging_names_the_rank_and_quiets_other_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 0 logs INFO with `[rank 0]` in the line; rank 1 only warnings unless all ranks are asked for."""
+    logger = setup_logging(0)
+    logger.info("hello")
+    assert "[rank 0] INFO examples.dlrm: hello" in capsys.readouterr().err
+    logger = setup_logging(1)
+    logger.info("quiet")
+    logger.warning("loud")
+    err = capsys.readouterr().err
+    assert "quiet" not in err
+    assert "[rank 1] WARNING" in err
+    setup_logging(1, all_ranks=True).info("now")
+    assert "[rank 1] INFO" in capsys.readouterr().err
+    assert len(logger.handlers) == 1
 
 
 def test_format_table_aligns_columns_and_formats_numbers() -> None:
@@ -50,6 +68,19 @@ def test_plot_history_writes_a_png(tmp_path: Path) -> None:
     path = tmp_path / "loss_qps.png"
     assert plot_history(path, [1, 2, 3], [0.7, 0.6, 0.5], [100.0, 120.0, 110.0], "t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_history_with_evaluations_adds_the_auc_panel(tmp_path: Path) -> None:
+    """With evaluations the PNG has a third panel (held-out AUC), so it is taller than the two-panel one."""
+    two, three = tmp_path / "two.png", tmp_path / "three.png"
+    args = ([1, 2, 3], [0.7, 0.6, 0.5], [100.0, 120.0, 110.0], "t")
+    assert plot_history(two, *args)
+    assert plot_history(three, *args, eval_steps=[2, 3], eval_loss=[0.6, 0.55], eval_auc=[0.6, 0.7])
+
+    def height(png: Path) -> int:
+        return int.from_bytes(png.read_bytes()[20:24], "big")  # IHDR height
+
+    assert height(three) > height(two)
 
 
 def test_run_folder_names_a_new_timestamped_folder(tmp_path: Path) -> None:
