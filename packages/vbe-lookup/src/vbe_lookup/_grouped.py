@@ -973,7 +973,8 @@ def _raise_content_error(
         rows = _rows_of_ids(layout, values, offsets)
         out_of_range = ((values < 0) | (values.to(torch.long) >= rows)).nonzero()
         i = int(out_of_range[0, 0])
-        bag = int(torch.searchsorted(offsets, torch.tensor([i], dtype=offsets.dtype), right=True)[0]) - 1
+        at = torch.tensor([i], dtype=offsets.dtype, device=offsets.device)
+        bag = int(torch.searchsorted(offsets, at, right=True)[0]) - 1
         f = int(layout.feature_of_bag[bag])
         raise IndexOutOfRangeError(
             f"`values[{i}]` = {int(values[i])} is out of range for feature `{keys[f]}`, whose table has "
