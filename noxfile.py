@@ -1,13 +1,17 @@
 """Sessions for the monorepo, discovered from ``packages/*/pyproject.toml``.
 
-``nox`` (no arguments) runs lint, typecheck, tests and tests_together: the README's test command.
+``nox`` (no arguments) runs lint, typecheck, build and tests_together: the README's test command. ``build``
+runs each package's tests against its built wheel installed alone, so ``tests`` (the same tests against an
+install of the source folder, for development) is not in it.
 Every install goes through a constraints file (``constraints/cpu.txt`` by default, ``NOX_CONSTRAINTS``
 overrides it, e.g. ``constraints/gpu-cu130.txt`` on a GPU runner); virtualenvs are reused between runs.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,7 +25,7 @@ PIP = ["--quiet", "--constraint", CONSTRAINTS]
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "typecheck", "tests", "tests_together"]
+nox.options.sessions = ["lint", "typecheck", "build", "tests_together"]
 
 
 def import_name(package: str) -> str:
@@ -120,14 +124,73 @@ def tests(session: nox.Session, package: str) -> None:
     session.run("pytest", f"packages/{package}/tests", *session.posargs)
 
 
+DIST = ROOT / "dist"
+# Run inside a wheel's venv: the package must come from that venv's site-packages, not from the checkout.
+_FROM_WHEEL = (
+    "import importlib, sys; m = importlib.import_module(sys.argv[1]); "
+    "assert m.__file__.startswith(sys.prefix), f'{m.__name__} imported from {m.__file__}, not the venv'; "
+    "print(f'{m.__name__} {m.__version__} from {m.__file__}')"
+)
+
+
+def wheel_venv(session: nox.Session, package: str, fresh: bool) -> str:
+    """The interpreter of ``.nox/wheel-<package>``: a venv that holds only that package's wheel and test group.
+
+    Reused between runs like every nox venv (``fresh`` recreates it); the wheel itself is force-reinstalled.
+    """
+    path = ROOT / ".nox" / f"wheel-{package}"
+    if fresh and path.exists():
+        shutil.rmtree(path)
+    python = path / "bin" / "python"
+    if not python.exists():
+        session.run("python", "-m", "venv", str(path))
+    return str(python)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES, ids=PACKAGES)
+def build(session: nox.Session, package: str) -> None:
+    """sdist + wheel of one package into ``dist/<package>``, checked, then its tests against that wheel alone.
+
+    Checks: ``twine check --strict``, ``check-wheel-contents``, ``tools/check_dist.py`` (licence, URLs, a README
+    that works on PyPI, the sdist's tests). The wheel (with its fbgemm extra, if any) and the test group go
+    into ``.nox/wheel-<package>``; no sibling may be there, the package must import from that venv, and the
+    package's tests run there. ``-- --fresh`` recreates that venv; other arguments after ``--`` go to pytest.
+    """
+    fresh = "--fresh" in session.posargs
+    pytest_args = [arg for arg in session.posargs if arg != "--fresh"]
+    session.install(*PIP, "build", "twine", "check-wheel-contents")
+    out = DIST / package
+    shutil.rmtree(out, ignore_errors=True)
+    # The isolated build environment resolves hatchling through the same pins.
+    pins = {"PIP_CONSTRAINT": str((ROOT / CONSTRAINTS).resolve())}
+    session.run("python", "-m", "build", "--outdir", str(out), f"packages/{package}", env=pins)
+    artifacts = sorted(str(path) for path in out.iterdir())
+    session.run("twine", "check", "--strict", *artifacts)
+    wheel = next(path for path in artifacts if path.endswith(".whl"))
+    session.run("check-wheel-contents", wheel)
+    session.run("python", "tools/check_dist.py", package, str(out))
+
+    python = wheel_venv(session, package, fresh)
+    requirements = package_requirements(package, "test")
+    target = requirements[0].replace(str(ROOT / "packages" / package), wheel)
+    run = functools.partial(session.run, python, external=True)  # the wheel's venv, not the session's
+    run("-m", "pip", "install", *PIP, target, *requirements[1:])
+    run("-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall", wheel)
+    run("tools/check_install_alone.py", "--current-env", package)
+    run("-c", _FROM_WHEEL, import_name(package))
+    run("-m", "pytest", "-p", "no:cacheprovider", f"packages/{package}/tests", *pytest_args)
+
+
 @nox.session
 def tests_together(session: nox.Session) -> None:
     """All packages in one venv: cross-package contracts, integration tests and the example trainer."""
     session.install(*PIP, "-r", "tests/requirements.txt")
     for package in PACKAGES:
         install_package(session, package, "test")
-    session.run("mypy", "tests", "examples")
-    session.run("pytest", "tests", "examples", *session.posargs)
+    release_tools = ["tools/api_snapshot.py", "tools/check_dist.py", "tools/check_release.py", "tools/tests"]
+    session.run("mypy", "tests", "examples", *release_tools)
+    session.run("pytest", "tests", "examples", "tools/tests", *session.posargs)
 
 
 @nox.session
