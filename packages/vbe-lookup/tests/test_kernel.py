@@ -227,6 +227,84 @@ def test_empty_batch_and_no_grad() -> None:
     torch.testing.assert_close(y[0], F.embedding(torch.tensor(1), before))
 
 
+REAL_EMBEDDING_BAG = F.embedding_bag
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    n_dims=st.integers(2, 8),
+    optimizer=st.sampled_from(["sgd", "rowwise_adagrad", None]),
+    pooling=st.sampled_from(["sum", "mean"]),
+    vbe=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_mixed_dims_one_pass_matches_masked_path(
+    n_dims: int, optimizer: Any, pooling: Any, vbe: bool, seed: int
+) -> None:
+    """With up to 8 distinct dims, each dim's pooling reads only its own ids (the ids are walked once in
+    all), and output, weight gradients and updated tables equal the every-id masked path."""
+    from vbe_lookup import _torch_kernel
+
+    dims = [2 * (i + 1) for i in range(n_dims)]
+    rows = [5 + i for i in range(n_dims)]
+    ftm = [i % n_dims for i in range(n_dims + 2)]
+    stride = [[1 + (f + r) % 3 for r in range(2)] for f in range(len(ftm))] if vbe else [[3]] * len(ftm)
+    keys = [f"f{i}" for i in range(len(ftm))]
+    kernels = [
+        TorchEmbeddingKernel(rows, dims, feature_table_map=ftm, pooling=pooling, optimizer=optimizer)
+        for _ in range(2)
+    ]
+    kernels[1].load_state_dict(kernels[0].state_dict())
+    features = random_features(
+        keys, [rows[t] for t in ftm], stride, weighted=True, generator=torch.Generator().manual_seed(seed)
+    )
+    weights = features.weights_or_none()
+    assert weights is not None
+    real_plan = _torch_kernel._Plan
+    outs, grads = [], []
+    for masked, kernel in zip((False, True), kernels, strict=True):
+
+        def plan(*args: Any, masked: bool = masked) -> Any:
+            p = real_plan(*args)
+            if masked:
+                p.group_ids = None  # the old path: every dim group pools every id
+            return p
+
+        read: list[int] = []
+
+        def counting_bag(
+            input: torch.Tensor, *args: Any, read: list[int] = read, **kwargs: Any
+        ) -> torch.Tensor:
+            read.append(input.numel())
+            return REAL_EMBEDDING_BAG(input, *args, **kwargs)
+
+        psw = weights.clone().requires_grad_(True)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_torch_kernel, "_Plan", plan)
+            mp.setattr(F, "embedding_bag", counting_bag)
+            out = kernel(
+                features.values(),
+                features.offsets(),
+                per_sample_weights=psw,
+                batch_size_per_feature_per_rank=stride if vbe else None,
+            )
+            forward_reads = sum(read)
+            torch.autograd.backward(out, torch.linspace(-1, 1, out.numel()).view(out.shape))
+        expected_reads = features.values().numel() * (n_dims if masked else 1)
+        assert forward_reads == expected_reads, (masked, read)
+        outs.append(out.detach())
+        grads.append(psw.grad)
+    torch.testing.assert_close(outs[0], outs[1])
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-5)
+    if optimizer is None:
+        for p0, p1 in zip(kernels[0].parameters(), kernels[1].parameters(), strict=True):
+            torch.testing.assert_close(p0.grad, p1.grad, atol=1e-5, rtol=1e-5)
+    for w0, w1 in zip(
+        kernels[0].split_embedding_weights(), kernels[1].split_embedding_weights(), strict=True
+    ):
+        torch.testing.assert_close(w0, w1, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("offsets", "match"),
     [

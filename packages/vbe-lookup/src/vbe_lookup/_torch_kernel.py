@@ -6,8 +6,10 @@ pooled output reaches the kernel, the touched rows are updated in place and no `
 
 Storage: the tables are grouped by embedding dim; each dim has one ``[rows, D]`` tensor holding its
 tables one after the other, and ``split_embedding_weights()`` hands out row-range views of them. A
-forward runs one ``F.embedding_bag`` per distinct dim over all bags (ids of features of other dims are
-weighted 0), then writes the bags into the 1-D VBE output with one cached-index copy per dim.
+forward runs one ``F.embedding_bag`` per distinct dim, then writes the bags into the 1-D VBE output
+with one cached-index copy per dim. On CPU the ids are split by dim once (one stable sort), so each
+dim pools and updates only its own ids; on CUDA (where the split sizes would be a host sync) each dim
+reads every id, other dims' ids with weight 0.
 """
 
 from __future__ import annotations
@@ -274,44 +276,32 @@ class TorchEmbeddingKernel(nn.Module):
             sample_stride = total_dim  # bags of one feature are `total_dim` apart: the granule divides it
         else:
             num_ranks = len(batch_sizes[0]) if batch_sizes else 0
-            per_feature = [sum(row) for row in batch_sizes]
-            bag_feature = torch.arange(n_features).repeat_interleave(
-                torch.tensor(per_feature, dtype=torch.long)
-            )
-            sizes = torch.tensor(
-                [[batch_sizes[f][r] * dims[f] for f in range(n_features)] for r in range(num_ranks)],
-                dtype=torch.long,
-            ).reshape(-1)
+            # Vectorized over the [F, R] batch sizes: O(F * R) work and no per-(feature, rank) tensors.
+            bs = torch.tensor(batch_sizes, dtype=torch.long).reshape(n_features, num_ranks)
+            dim_t = torch.tensor(dims, dtype=torch.long)
+            per_feature_t = bs.sum(1)
+            bag_feature = torch.arange(n_features).repeat_interleave(per_feature_t, output_size=num_bags)
+            sizes = (bs * dim_t[:, None]).t().reshape(-1)
             block_start = torch.cumsum(sizes, 0) - sizes  # own [R, F] offsets, rank-major
             rank_of_bag = (
-                torch.cat(
-                    [
-                        torch.arange(num_ranks).repeat_interleave(
-                            torch.tensor(batch_sizes[f], dtype=torch.long)
-                        )
-                        for f in range(n_features)
-                    ]
-                )
-                if num_bags
-                else torch.zeros(0, dtype=torch.long)
+                torch.arange(num_ranks)
+                .repeat(n_features)
+                .repeat_interleave(bs.reshape(-1), output_size=num_bags)
             )
-            bag_start_of_block = torch.tensor(
-                [sum(batch_sizes[f][:r]) for f in range(n_features) for r in range(num_ranks)],
-                dtype=torch.long,
-            )
-            feature_start = torch.tensor([0, *per_feature], dtype=torch.long).cumsum(0)[:-1]
+            bag_start_of_block = (torch.cumsum(bs, 1) - bs).reshape(-1)  # [F * R], feature-major
+            feature_start = torch.cumsum(per_feature_t, 0) - per_feature_t
             sample = (
                 torch.arange(num_bags)
                 - feature_start[bag_feature]
                 - bag_start_of_block[bag_feature * num_ranks + rank_of_bag]
             )
             block_of_bag = rank_of_bag * n_features + bag_feature
-            dim_t = torch.tensor(dims, dtype=torch.long)
             local = sample * dim_t[bag_feature]
             output_size = int(sizes.sum())
             output_shape = (output_size,)
             sample_stride = 0  # bags of a block are `dim` apart, which the granule divides
         feature_group = torch.tensor(self._feature_group, dtype=torch.long)
+        block_feature = torch.arange(block_start.numel()) % n_features  # blocks are [R, F], rank-major
         groups: list[_GroupLayout | None] = []
         for g_i, g in enumerate(self._dim_groups):
             mine = feature_group[bag_feature] == g_i
@@ -320,7 +310,9 @@ class TorchEmbeddingKernel(nn.Module):
                 groups.append(None)
                 continue
             blocks, starts = block_of_bag[bag_index], local[bag_index]
-            granule = math.gcd(g.dim, output_size, sample_stride, *set(block_start[blocks].tolist()))
+            # The group's block starts ([R, F] blocks, not its bags: O(F * R) host values).
+            own_starts = block_start[feature_group[block_feature] == g_i].tolist()
+            granule = math.gcd(g.dim, output_size, sample_stride, *own_starts)
             positions = _granule_rows(block_start[blocks] + starts, g.dim, granule)
             single = len(self._dim_groups) == 1
             local_of_bag = torch.zeros(num_bags, dtype=torch.long)
@@ -543,14 +535,30 @@ class _Plan:
         self.per_sample_weights = per_sample_weights
         self.vbe_output_offsets = vbe_output_offsets
         self.nnz = nnz
+        # Several dims on CPU: split the ids by dim group once (a stable sort keeps each bag's ids in
+        # order), so every group pools and updates only its own ids: one pass over the ids in all,
+        # whatever the number of dims. The split sizes are a host read, free on CPU; on CUDA that read
+        # would be a sync per call, so there each group masks the others' ids instead (weight 0).
+        self.group_ids: list[torch.Tensor] | None = None
+        if self.group_of_id is not None and indices.device.type == "cpu":
+            order = torch.sort(self.group_of_id, stable=True).indices
+            sizes = torch.bincount(self.group_of_id, minlength=len(kernel._dim_groups)).tolist()
+            self.group_ids = list(torch.split(order, sizes))
 
     def group_rows_and_weights(
         self, g_i: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows of group ``g_i`` (other groups' ids read row 0) and the per-id weight (0 for other groups)."""
+        """Rows of group ``g_i`` and their per-id weights.
+
+        With ``group_ids`` (CPU): only the group's own ids. Otherwise every id, other groups' ids reading
+        row 0 with weight 0.
+        """
         psw = self.per_sample_weights
         if not self.multi_group:
             return self.rows, None if psw is None else psw.to(dtype)
+        if self.group_ids is not None:
+            ids = self.group_ids[g_i]
+            return self.rows.index_select(0, ids), None if psw is None else psw.index_select(0, ids).to(dtype)
         assert self.group_of_id is not None
         mine = self.group_of_id == g_i
         rows = torch.where(mine, self.rows, torch.zeros_like(self.rows))
@@ -589,11 +597,19 @@ class _Plan:
         group = self.layout.groups[g_i]
         assert group is not None
         rows, psw = self.group_rows_and_weights(g_i, weight.dtype)
-        pooled = F.embedding_bag(
-            rows, weight, self.offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
-        )
-        if group.bag_index is not None:
-            pooled = pooled.index_select(0, group.bag_index)
+        if self.group_ids is not None:
+            # The group's ids only, bag after bag of its own bags: offsets from their lengths.
+            offsets = torch.zeros(group.block_of_bag.numel() + 1, dtype=torch.long)
+            torch.cumsum(self.bag_lengths_of(group), 0, out=offsets[1:])
+            pooled = F.embedding_bag(
+                rows, weight, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
+            )
+        else:
+            pooled = F.embedding_bag(
+                rows, weight, self.offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
+            )
+            if group.bag_index is not None:
+                pooled = pooled.index_select(0, group.bag_index)
         if self.kernel.pooling == "mean":
             pooled = pooled / self.bag_lengths_of(group).clamp(min=1).to(pooled.dtype)[:, None]
         return pooled
@@ -705,18 +721,21 @@ class _FusedLookup(torch.autograd.Function):
                 if kernel.pooling == "mean":
                     grad_bags = grad_bags / plan.bag_lengths_of(group).clamp(min=1).to(torch.float32)[:, None]
                 rows, id_weight = plan.group_rows_and_weights(g_i, torch.float32)
-                # Group-local bag of every id (other groups' ids: bag 0 with weight 0).
+                ids = None if plan.group_ids is None else plan.group_ids[g_i]
+                # Group-local bag of every id read (masked path: other groups' ids, bag 0 with weight 0).
+                bag_of_id = plan.bag_of_id if ids is None else plan.bag_of_id.index_select(0, ids)
                 local_bag = (
-                    plan.bag_of_id
-                    if group.local_of_bag is None
-                    else group.local_of_bag.index_select(0, plan.bag_of_id)
+                    bag_of_id if group.local_of_bag is None else group.local_of_bag.index_select(0, bag_of_id)
                 )
                 if psw_grad is not None:
                     grad_of_id = grad_bags.index_select(0, local_bag)
                     contribution = (grad_of_id * weight.index_select(0, rows).to(torch.float32)).sum(1)
-                    if plan.group_of_id is not None:
-                        contribution = contribution * (plan.group_of_id == g_i).to(torch.float32)
-                    psw_grad += contribution
+                    if ids is not None:
+                        psw_grad.index_add_(0, ids, contribution)
+                    else:
+                        if plan.group_of_id is not None:
+                            contribution = contribution * (plan.group_of_id == g_i).to(torch.float32)
+                        psw_grad += contribution
                 seg_row, seg_grad = _row_gradients(rows, local_bag, grad_bags, id_weight)
                 _apply_update(kernel, g_i, weight, seg_row, seg_grad)
         weights_grad = None
