@@ -109,6 +109,41 @@ def test_a_bad_flag_is_one_line_without_traceback(tmp_path: Path, module: str) -
     assert errors == [f"error: `--data` names {str(tmp_path / 'missing.tsv')!r}, which is not a file"]
 
 
+def test_a_crashing_worker_leaves_its_traceback_in_the_elastic_error_file(tmp_path: Path) -> None:
+    """`@record` on the worker's main: an unexpected error (a malformed TSV line) is written to the file torchrun
+    names in TORCHELASTIC_ERROR_FILE, with the message and the traceback."""
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("1\t2\t3\n", encoding="utf-8")
+    error_file = tmp_path / "error.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "TORCHELASTIC_ERROR_FILE": str(error_file),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "examples.dlrm.train",
+            "--out",
+            str(tmp_path / "run"),
+            "--data",
+            str(bad),
+            *TINY,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode != 0
+    message = json.loads(error_file.read_text())["message"]
+    assert "line 1 has 3 tab-separated fields" in message["message"]
+    assert "Traceback" in message["extraInfo"]["py_callstack"]
+
+
 @pytest.mark.distributed
 def test_two_hosts_through_the_c10d_rendezvous(tmp_path: Path) -> None:
     """`--nnodes 1:2 --rdzv-endpoint` on two "hosts" forms one 2-rank world that trains and evaluates."""
