@@ -219,11 +219,15 @@ def save_checkpoint(
     (tmp / "ranks" / f"rank{rank}.json").write_text(json.dumps({"history": history}), encoding="utf-8")
     # The history over all ranks (loss: mean, samples: sum, step time: slowest), for a resume on another
     # world size, where per-rank histories do not map onto the new ranks.
-    series = torch.tensor([history["loss"], history["samples"], history["seconds"]], dtype=torch.float64)
+    # Reduced through the tables' device: NCCL reduces CUDA tensors only.
+    series = torch.tensor(
+        [history["loss"], history["samples"], history["seconds"]], dtype=torch.float64, device=tables.device
+    )
     totals = series[:2].clone()
     slowest = series[2:].clone()
     dist.all_reduce(totals)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    totals, slowest = totals.cpu(), slowest.cpu()
     dist.barrier()
     if rank == 0:
         meta = {

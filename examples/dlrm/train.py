@@ -288,7 +288,7 @@ def _segment_end(step: int, config: TrainConfig) -> int:
     return min([config.steps, *((step // every + 1) * every for every in periods if every > 0)])
 
 
-def _tsv_split(config: TrainConfig, world_size: int) -> tuple[int | None, CriteoTSVReader | None]:
+def _tsv_split(config: TrainConfig, rank: int, world_size: int) -> tuple[int | None, CriteoTSVReader | None]:
     """``(end of the training lines, reader of the held-out lines)`` of a TSV run; ``(None, None)`` otherwise."""
     if not config.data:
         if not config.eval_data:
@@ -310,7 +310,7 @@ def _tsv_split(config: TrainConfig, world_size: int) -> tuple[int | None, Criteo
         paths,
         batch_size=config.batch_size,
         table_rows=config.embedding_config(world_size).table_rows,
-        rank=dist.get_rank(),
+        rank=rank,
         world_size=world_size,
         lines=lines,
     )
@@ -414,7 +414,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         logger.info(
             "resumed from step %d (checkpoint of %d ranks, now %d)", start, meta["world_size"], world_size
         )
-    train_stop, eval_reader = _tsv_split(config, world_size)
+    train_stop, eval_reader = _tsv_split(config, rank, world_size)
     metrics: Any = None
     if config.evaluates and _has_torchmetrics():
         from examples.dlrm.evaluation import EvalMetrics
