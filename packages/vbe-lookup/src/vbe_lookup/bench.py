@@ -9,6 +9,11 @@ Compares, in one run, interleaved, medians:
 - on CUDA with fbgemm, ``fbgemm-chain-2``: fbgemm's own ``vbe_output`` chain without our per-layout
   VBE-metadata cache (fbgemm rebuilds it on the host every call), the issue's 1.73 ms baseline.
 
+With ``--sharded``, also the sharded module's full training step (``sharded-tw``: table-wise,
+``sharded-rw``: row-wise; input dist, lookup, output dist, backward) on a process group of
+``--sharded-world`` ranks (gloo on CPU, spawned; NCCL with one rank on CUDA), each rank a local batch of
+every feature.
+
 Cases: forward (no grad) and forward + backward (fused row-wise Adagrad). Columns: host time per
 step, GPU time (CUDA events over ``--inner`` steps run back to back, as in training, divided by their
 number), host syncs per step (CUDA sync debug mode) and peak memory above the model (CUDA). Default shape (the issue's): 32 features, 8 ranks, dim 128, batch per feature and rank
@@ -234,18 +239,183 @@ def _run(args: argparse.Namespace, device: torch.device, kind: str) -> list[dict
     return results
 
 
+# ------------------------------------------------------------------ sharded module (--sharded)
+
+
+def _sharded_factory(kind: str, args: argparse.Namespace) -> Any:
+    from vbe_lookup.sharding import KernelSpec, torch_kernel_factory
+
+    if kind != "fbgemm":
+        return torch_kernel_factory(optimizer="rowwise_adagrad", learning_rate=args.lr)
+
+    def build(spec: KernelSpec) -> Any:
+        return _fbgemm.new_tbe(
+            list(spec.num_embeddings),
+            list(spec.embedding_dims),
+            feature_table_map=list(spec.feature_table_map),
+            optimizer="rowwise_adagrad",
+            learning_rate=args.lr,
+            device=spec.device if spec.device is not None else "cpu",
+            bounds_check=args.bounds_check,
+        )
+
+    return build
+
+
+def _sharded_inputs(
+    args: argparse.Namespace, rank: int, device: torch.device, count: int
+) -> list[VBEFeatures]:
+    """``count`` local batches of rank ``rank``: every feature, one batch size per rank (a fixed layout)."""
+    batch = random.Random(args.seed * 1000 + rank).randint(args.batch_min, args.batch_max)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    keys = [f"f{i}" for i in range(args.features)]
+    out = []
+    for _ in range(count):
+        lengths = torch.randint(0, 2 * args.pooling_factor + 1, (args.features * batch,), generator=gen)
+        values = torch.randint(0, args.rows, (int(lengths.sum()),), generator=gen)
+        out.append(VBEFeatures(keys, values, lengths, [[batch]] * args.features).to(device))
+    return out
+
+
+def _sharded_rank(rank: int, world: int, args: argparse.Namespace, kind: str) -> list[dict[str, Any]]:
+    """Time the sharded training step on this rank (every rank runs the same steps in lockstep)."""
+    from vbe_lookup.sharding import RowWise, ShardedEmbeddingBags, ShardingPlan, TableConfig
+
+    cuda = torch.cuda.is_available() and str(torch.distributed.get_backend()) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    tables = [
+        TableConfig(name=f"t{i}", num_embeddings=args.rows, embedding_dim=args.dim, feature_names=(f"f{i}",))
+        for i in range(args.features)
+    ]
+    plans = {
+        "sharded-tw": ShardingPlan.table_wise(tables, world),
+        "sharded-rw": ShardingPlan(world_size=world, placements={t.name: RowWise() for t in tables}),
+    }
+    inputs = _sharded_inputs(args, rank, device, 4)
+    modules = {
+        name: ShardedEmbeddingBags(tables, plan, kernel_factory=_sharded_factory(kind, args), device=device)
+        for name, plan in plans.items()
+    }
+
+    def make(module: ShardedEmbeddingBags) -> Callable[[int], None]:
+        def step(i: int) -> None:
+            out = module(inputs[i % len(inputs)]).values()
+            torch.autograd.backward(out, torch.ones_like(out))
+
+        return step
+
+    steps = {name: make(m) for name, m in modules.items()}
+    for step in steps.values():
+        for i in range(max(args.warmup, len(inputs))):
+            step(i)
+    host: dict[str, list[float]] = {n: [] for n in steps}
+    gpu: dict[str, list[float]] = {n: [] for n in steps}
+    inner = args.inner
+    for i in range(args.iters):
+        for name, step in steps.items():  # interleaved
+            if cuda:
+                torch.cuda.synchronize()
+                begin, end = _event(), _event()
+                begin.record()
+            t0 = time.perf_counter()
+            for j in range(inner):
+                step(i * inner + j)
+            host[name].append((time.perf_counter() - t0) * 1e3 / inner)
+            if cuda:
+                end.record()
+                end.synchronize()
+                gpu[name].append(begin.elapsed_time(end) / inner)
+    results = []
+    for name, step in steps.items():
+        syncs = _count_syncs(functools.partial(step, 0)) if cuda else None
+        if args.profile is not None and name in (args.profile or list(steps)) and rank == 0:
+            _profile(f"{kind}/{name} world {world}", step, cuda)
+        times = gpu[name] if cuda else host[name]
+        results.append(
+            {
+                "case": f"sharded fwd+bwd W{world} F{args.features} D{args.dim} B{args.batch_min}-{args.batch_max} L~{args.pooling_factor}",
+                "impl": f"{kind}/{name}",
+                "median_ms": statistics.median(times),
+                "p10_ms": _percentile(times, 0.1),
+                "p90_ms": _percentile(times, 0.9),
+                "peak_mem_bytes": None,
+                "host_ms": statistics.median(host[name]),
+                "gpu_ms": statistics.median(gpu[name]) if cuda else None,
+                "syncs_per_step": syncs,
+                "kernels": len(modules[name].kernels()),
+                "mode": "fwd+bwd",
+                "kernel": kind,
+                "world_size": world,
+            }
+        )
+    return results
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _sharded_entry(
+    rank: int, world: int, port: int, backend: str, args: argparse.Namespace, kind: str, queue: Any
+) -> None:
+    """Spawned rank: join the group, time, hand rank 0's rows back through ``queue``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = _sharded_rank(rank, world, args, kind)
+        if rank == 0:
+            queue.put(results)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_sharded(
+    args: argparse.Namespace, device: torch.device, kind: str, world: int
+) -> list[dict[str, Any]]:
+    """The sharded step on ``world`` ranks: in this process for one rank, spawned ranks otherwise."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    port = _free_port()
+    if world == 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        try:
+            return _sharded_rank(0, 1, args, kind)
+        finally:
+            dist.destroy_process_group()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]  # untyped, not re-exported
+        _sharded_entry, args=(world, port, backend, args, kind, queue), nprocs=world, start_method="spawn"
+    )
+    results: list[dict[str, Any]] = queue.get()
+    return results
+
+
 def _table(results: list[dict[str, Any]]) -> str:
     lines = [
         f"{'case':<40} {'impl':<28} {'host ms':>9} {'GPU ms':>9} {'vs single':>9} {'syncs':>6} {'peak MiB':>9}"
     ]
     singles = {(r["case"], r["kernel"]): r["median_ms"] for r in results if r["impl"].endswith("/single")}
     for r in results:
-        ratio = r["median_ms"] / singles[(r["case"], r["kernel"])]
+        single = singles.get((r["case"], r["kernel"]))
+        ratio = "-" if single is None else f"{r['median_ms'] / single:.2f}x"
         gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.3f}"
         syncs = "-" if r["syncs_per_step"] is None else str(r["syncs_per_step"])
         peak = "-" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**20:.1f}"
         lines.append(
-            f"{r['case']:<40} {r['impl']:<28} {r['host_ms']:>9.3f} {gpu:>9} {ratio:>8.2f}x {syncs:>6} {peak:>9}"
+            f"{r['case']:<40} {r['impl']:<28} {r['host_ms']:>9.3f} {gpu:>9} {ratio:>9} {syncs:>6} {peak:>9}"
         )
     return "\n".join(lines)
 
@@ -312,6 +482,21 @@ def _parser() -> argparse.ArgumentParser:
         help="after timing, print a torch.profiler table (host and device time per op) of a few fwd+bwd steps "
         "of these implementations (default: single, preallocated-2, legacy-2, fbgemm-chain-2)",
     )
+    parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="also time the sharded module's full training step (input dist, lookup, output dist, backward)",
+    )
+    parser.add_argument(
+        "--sharded-world",
+        type=int,
+        nargs="+",
+        default=None,
+        help="process group sizes for --sharded (default: 1 and 2 gloo ranks on CPU, 1 NCCL rank on CUDA)",
+    )
+    parser.add_argument(
+        "--only-sharded", action="store_true", help="with --sharded: skip the grouped-lookup cases"
+    )
     parser.add_argument("--json", default=None, help="write results as JSON here")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here")
     return parser
@@ -372,7 +557,12 @@ def main(argv: list[str] | None = None) -> int:
         kinds = ["fbgemm", "torch"] if has_fbgemm else ["torch"]
     else:
         kinds = [args.kernel]
-    results = [r for kind in kinds for r in _run(args, device, kind)]
+    results = (
+        [] if args.sharded and args.only_sharded else [r for kind in kinds for r in _run(args, device, kind)]
+    )
+    if args.sharded:
+        worlds = args.sharded_world or ([1] if device.type == "cuda" else [1, 2])
+        results += [r for kind in kinds for world in worlds for r in _run_sharded(args, device, kind, world)]
     print(
         f"vbe_lookup {__version__} | torch {torch.__version__} | {_fbgemm.fbgemm_status()} | device {device}"
     )

@@ -1,0 +1,25 @@
+"""``python -m vbe_lookup.bench --sharded`` runs the sharded module's full step and reports it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from vbe_lookup import bench
+
+
+def test_sharded_bench_reports_the_full_step(tmp_path: Path) -> None:
+    """A tiny ``--sharded`` run on one gloo rank writes both sharded rows with host times."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--sharded", "--only-sharded", "--sharded-world", "1", "--kernel", "torch"]
+    argv += ["--features", "4", "--iters", "2", "--warmup", "1", "--threads", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["impl"] for r in rows] == ["torch/sharded-tw", "torch/sharded-rw"]
+    assert all(r["world_size"] == 1 and r["host_ms"] > 0 for r in rows)
+    assert all(r["case"].startswith("sharded fwd+bwd W1 F4") for r in rows)
