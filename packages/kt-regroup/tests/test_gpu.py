@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kt_regroup import KTRegroupAsDict, available_backends, regroup
+from kt_regroup import KeyedTensor, KTRegroupAsDict, available_backends, regroup
 from kt_regroup.testing import clone_kts, make_kts, reference, run_backward
 
 pytestmark = pytest.mark.gpu
@@ -207,3 +207,83 @@ def test_auto_on_cuda_is_triton() -> None:
     from kt_regroup._backend import resolve_backend
 
     assert resolve_backend("auto", torch.device("cuda"), 1, torch.float32, 2, 2) == "triton"
+
+
+@st.composite
+def _triton_layouts(draw: st.DrawFn) -> tuple[list[list[str]], list[list[int]], list[list[str]]]:
+    """Layouts the Triton backend serves (``key_dim == 1``, at most 8 inputs and 8 groups)."""
+    keys, lengths, groups = draw(_layouts())
+    return keys, lengths, groups[:8]
+
+
+def _fast_launches() -> tuple[int, int]:
+    from kt_regroup import _triton_impl
+
+    return _triton_impl._FORWARD.fast_launches, _triton_impl._BACKWARD.fast_launches
+
+
+def _triton_run(
+    kts: list[KeyedTensor], groups: list[list[str]]
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    fresh = clone_kts(kts)
+    outputs = regroup(fresh, groups, backend="triton")
+    run_backward(outputs)
+    return [o.detach() for o in outputs], [kt.values().grad for kt in fresh]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layout=_triton_layouts(),
+    batch=st.sampled_from([1, 7, 32, 33, 100]),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_triton_fast_launch_matches_jit_launch(
+    layout: tuple[list[list[str]], list[list[int]], list[list[str]]], batch: int, dtype: torch.dtype
+) -> None:
+    """Direct launches of the compiled Triton kernels give the JIT launch's bits, forward and backward."""
+    _need("triton")
+    from kt_regroup import _triton_impl
+
+    keys, lengths, groups = layout
+    kts = make_kts(keys, lengths, batch, dtype, 1, device="cuda")
+    _triton_impl.FAST_LAUNCH = False
+    try:
+        by_jit = _triton_run(kts, groups)
+    finally:
+        _triton_impl.FAST_LAUNCH = True
+    _triton_run(kts, groups)  # a variant's first launch goes through the JIT (and is kept)
+    before = _fast_launches()
+    fast = _triton_run(kts, groups)
+    after = _fast_launches()
+    widths = {
+        k: n
+        for kt_keys, kt_lengths in zip(keys, lengths, strict=True)
+        for k, n in zip(kt_keys, kt_lengths, strict=True)
+    }
+    # An empty tensor may sit at any address (it holds no element), and a misaligned one takes the JIT's
+    # launch, so the direct launches are only certain when every group has columns.
+    if groups and all(any(widths[k] for k in group) for group in groups):
+        assert after[0] == before[0] + 1, f"no direct forward launch: {_triton_impl._FORWARD.refused}"
+        assert after[1] == before[1] + 1, f"no direct backward launch: {_triton_impl._BACKWARD.refused}"
+    for a, b in zip(by_jit[0] + by_jit[1], fast[0] + fast[1], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert torch.equal(a, b)
+
+
+def test_triton_misaligned_input_takes_the_jit_launch() -> None:
+    """An input 4 bytes off a 16-byte boundary is launched by the JIT (its own specialization) and is right."""
+    _need("triton")
+    keys, lengths, groups = [["a", "b"]], [[16, 32]], [["b", "a", "b"]]
+    aligned = make_kts(keys, lengths, 40, torch.float32, 1, device="cuda")
+    _triton_run(aligned, groups)  # the aligned variant is compiled and kept
+    storage = torch.randn(40 * 48 + 1, device="cuda")
+    values = storage[1:].view(40, 48).detach().requires_grad_()
+    assert values.is_contiguous()
+    assert values.data_ptr() % 16
+    shifted = [KeyedTensor(["a", "b"], [16, 32], values)]
+    before = _fast_launches()
+    outputs = regroup(shifted, groups, backend="triton")
+    assert _fast_launches()[0] == before[0]
+    expected = reference(clone_kts(shifted), groups)
+    assert torch.equal(outputs[0].detach(), expected[0].detach())

@@ -73,3 +73,43 @@ def test_all_inputs_switching_key_dim_get_their_own_plan() -> None:
         [KeyedTensor(["a"], [4], values, key_dim=0), KeyedTensor(["b"], [4], values + 100, key_dim=0)]
     )
     torch.testing.assert_close(out["x"], torch.cat([values + 100, values], dim=0))
+
+
+class _CountingStr(str):
+    """A key name that counts how often it is hashed."""
+
+    hashes = 0
+
+    def __hash__(self) -> int:
+        _CountingStr.hashes += 1
+        return str.__hash__(self)
+
+
+def test_cached_layout_is_not_rehashed_per_call() -> None:
+    """A call on a cached layout hashes no key name (hashing ~1,000 names cost ~30 us a call)."""
+    names = [_CountingStr(f"k{i}") for i in range(50)]
+    module = KTRegroupAsDict([names[::2], names[1::2]], ["x", "y"], backend="torch")
+    kt = KeyedTensor(names, [2] * 50, torch.randn(3, 100))
+    module([kt])
+    _CountingStr.hashes = 0
+    for _ in range(3):
+        module([kt])
+    assert _CountingStr.hashes == 0
+
+
+def test_layout_key_pickles_and_hashes_like_its_tuple() -> None:
+    """The key equals and hashes like the plain tuple, and is re-hashed when unpickled (a deepcopy too)."""
+    import copy
+    import pickle
+
+    module = KTRegroupAsDict([["b", "a"]], ["x"], backend="torch")
+    module([KeyedTensor(["a", "b"], [2, 3], torch.randn(4, 5))])
+    (key,) = module._plans
+    assert hash(key) == hash(tuple(key))
+    for clone in (pickle.loads(pickle.dumps(key)), copy.deepcopy(key)):
+        assert clone == key
+        assert hash(clone) == hash(tuple(key))
+    copied = copy.deepcopy(module)
+    out = copied([KeyedTensor(["a", "b"], [2, 3], torch.ones(4, 5))])
+    assert len(copied._plans) == 1
+    torch.testing.assert_close(out["x"], torch.ones(4, 5))

@@ -293,3 +293,26 @@ def test_functional_plan_cache_keys_on_the_layout_not_the_batch_size() -> None:
         torch.testing.assert_close(first, torch.cat([kt["b"], kt["a"]], dim=1), rtol=0, atol=0)
         torch.testing.assert_close(second, kt["a"], rtol=0, atol=0)
     assert len(_regroup._PLAN_CACHE) == 1
+
+
+def test_nothing_to_differentiate_skips_the_autograd_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under no_grad, or with inputs that need no grad, the kernel runs without an autograd.Function node."""
+    from kt_regroup import _ops
+
+    def refuse(*args: object) -> object:
+        raise AssertionError("autograd.Function used with nothing to differentiate")
+
+    groups = [["b", "a"], ["a"]]
+    module = KTRegroupAsDict(groups, ["x", "y"], backend="torch")
+    kts = make_kts([["a", "b"]], [[2, 3]], 4, torch.float32, 1)
+    expected = reference(clone_kts(kts), groups)
+    monkeypatch.setattr(_ops._EagerPermute, "apply", refuse)
+    with torch.no_grad():
+        out = module(kts)
+    plain = [KeyedTensor(kt.keys(), kt.length_per_key(), kt.values().detach()) for kt in kts]
+    for got in (out, module(plain)):
+        assert got["x"].grad_fn is None
+        torch.testing.assert_close(got["x"], expected[0].detach())
+        torch.testing.assert_close(got["y"], expected[1].detach())
+    with pytest.raises(AssertionError, match="nothing to differentiate"):
+        module(kts)  # inputs that require grad still go through the Function

@@ -49,6 +49,10 @@ def forward_impl(
     backend: int,
 ) -> list[torch.Tensor]:
     """Run the forward kernel of ``backend`` (no autograd)."""
+    if backend == _TRITON:
+        from kt_regroup._triton_impl import triton_forward
+
+        return triton_forward(values, plan, meta, in_lengths, out_lengths)
     if backend == _FBGEMM and _nothing_to_write(values[0], out_lengths, key_dim):
         return _shapes(values[0], out_lengths, key_dim)
     if backend == _FBGEMM:
@@ -57,10 +61,6 @@ def forward_impl(
         return permute_multi_embedding_function(
             [v.contiguous() for v in values], plan[0], plan[1], plan[2], list(out_lengths), False
         )
-    if backend == _TRITON:
-        from kt_regroup._triton_impl import triton_forward
-
-        return triton_forward(values, plan, meta, in_lengths, out_lengths)
     return torch_forward(values, plan, meta, out_lengths, key_dim)
 
 
@@ -74,6 +74,10 @@ def backward_impl(
     backend: int,
 ) -> list[torch.Tensor]:
     """Run the backward kernel of ``backend`` (no autograd)."""
+    if backend == _TRITON:
+        from kt_regroup._triton_impl import triton_backward
+
+        return triton_backward(grads, plan, meta, in_lengths, out_lengths)
     if backend == _FBGEMM and _nothing_to_write(grads[0], in_lengths, key_dim):
         return _shapes(grads[0], in_lengths, key_dim)
     if backend == _FBGEMM and not any(out_lengths):
@@ -93,10 +97,6 @@ def backward_impl(
             if meta[1 + index]:
                 result[index].index_fill_(1, plan[3 + index], 0)
         return result
-    if backend == _TRITON:
-        from kt_regroup._triton_impl import triton_backward
-
-        return triton_backward(grads, plan, meta, in_lengths, out_lengths)
     return torch_backward(grads, plan, meta, in_lengths, key_dim)
 
 
@@ -268,11 +268,18 @@ class _EagerPermuteBackward(torch.autograd.Function):
 
 
 def run_permute(values: list[torch.Tensor], args: PlanArgs) -> list[torch.Tensor]:
-    """Regroup ``values`` with a plan: the custom op when compiling/exporting, the eager twin otherwise."""
+    """Regroup ``values`` with a plan: the custom op when compiling/exporting, the eager twin otherwise.
+
+    With nothing to differentiate (grad mode off, or no input requires grad) the kernel runs alone: an
+    ``autograd.Function`` costs host time even when it records nothing. Every backend returns fresh
+    tensors, so the outputs never alias the inputs either way.
+    """
     plan, meta, in_lengths, out_lengths, key_dim, backend = args
     if torch.compiler.is_compiling():
         result: list[torch.Tensor] = permute(
             values, list(plan), list(meta), list(in_lengths), list(out_lengths), key_dim, backend
         )
         return result
+    if not torch.is_grad_enabled() or not any(v.requires_grad for v in values):
+        return forward_impl(values, plan, meta, in_lengths, out_lengths, key_dim, backend)
     return list(_EagerPermute.apply(args, *values))  # type: ignore[no-untyped-call]  # untyped in torch

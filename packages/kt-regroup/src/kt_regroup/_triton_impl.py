@@ -11,10 +11,15 @@ only per-call host work is the launch itself.
   columns in the groups' gradients, in group order, in fp32 (fp64 for fp64), then stores once. Every
   input column belongs to exactly one tile, so there are no atomics and the result is bitwise
   deterministic; keys in no group get exact zeros.
+
+Launch: after a kernel variant's first launch through the JIT (which compiles it), later launches call
+the compiled kernel's launcher directly with a prebuilt argument list (see :class:`_Kernel`): the JIT's
+per-call binding and specialization work costs more host time than the rest of a regroup.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,8 +128,280 @@ def _regroup_bwd_kernel(  # type: ignore[no-untyped-def]  # Triton JIT function
     tl.store(dst + rows64 * dst_w + dst_col + cols[None, :], acc.to(dst.dtype.element_ty), mask=mask)
 
 
-def _pad(items: Sequence[Any], fill: Any) -> list[Any]:
-    return list(items) + [fill] * (TRITON_MAX_TENSORS - len(items))
+# Direct launches of compiled kernels (see _Kernel). Tests switch this off to compare with the JIT's launch.
+FAST_LAUNCH = True
+
+try:  # Triton >= 3.4: launch hooks live in knobs, and the launcher takes every bound argument.
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton: every launch goes through the JIT
+    _knobs = None
+
+# Pointer arguments per kernel: 8 sources and 8 destinations (unused slots repeat the first tensor).
+_SLOTS = TRITON_MAX_TENSORS
+_MAX_I32 = 2**31 - 1
+# A compiled variant, ready to launch: (launcher, CUfunction handle, packed launch metadata, stream getter).
+_Compiled = tuple[Any, Any, Any, Any]
+_MAX_VARIANTS = 256
+_MAX_LAYOUTS = 256
+
+
+class _Kernel:
+    """One of the two JIT kernels, plus its compiled variants launched without the JIT's per-call work.
+
+    ``JITFunction.run`` spends tens of microseconds of host time on every launch: it binds the 37
+    arguments, builds a specialization key string from all of them and re-reads the environment. Here
+    everything it decides is fixed by the variant: dtype, device, constexprs and how ``batch`` is
+    specialised (1 is a constant, a multiple of 16 is marked divisible, as the JIT does; the widths are
+    never specialised), once every pointer is 16-byte aligned (the JIT's pointer specialization). So the
+    first launch of a variant goes through the JIT, which compiles it (or finds it compiled) and returns
+    its ``CompiledKernel``; later launches call that kernel's launcher directly with the argument tuple the
+    JIT would pass (every bound argument in order, constexprs included; pointers as ints), on the stream
+    the JIT would use. A misaligned pointer, launch hooks (profilers such as proton), pre-run hooks, a
+    device other than the current one, a compiled kernel whose signature is not the expected one or a
+    Triton without ``knobs`` take the JIT path, as does ``FAST_LAUNCH = False``; a launcher that rejects
+    the arguments (another Triton's calling convention) drops the variant and takes it too.
+    """
+
+    __slots__ = ("constexpr_names", "fast_launches", "jit", "n_heads", "pre_run_hooks", "refused", "variants")
+
+    def __init__(self, jit: Any, n_heads: int, constexpr_names: tuple[str, ...]) -> None:
+        self.jit = jit
+        self.pre_run_hooks: list[Any] = getattr(jit, "pre_run_hooks", [])  # the JIT's own list
+        self.n_heads = n_heads  # plan tensors before `batch`
+        self.constexpr_names = constexpr_names
+        # (dtype, device index, BLOCK_D, ALIGN, batch class) -> compiled variant
+        self.variants: dict[tuple[object, ...], _Compiled] = {}
+        self.fast_launches = 0  # direct launches so far (tests check that the fast path ran)
+        self.refused = ""  # why the last compiled kernel was not kept for direct launches, if it was not
+
+    def launch(
+        self,
+        grid_x: int,
+        batch: int,
+        heads: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        src_widths: tuple[int, ...],
+        dsts: Sequence[torch.Tensor],
+        dst_widths: tuple[int, ...],
+        constexprs: tuple[Any, ...],
+        variant: tuple[object, ...],
+    ) -> None:
+        """Launch ``grid_x`` tiles x ``cdiv(batch, BLOCK_B)`` row blocks on the current stream.
+
+        ``variant`` is ``(dtype, device index, BLOCK_D, ALIGN, batch class)``: what picks the compiled
+        kernel (see :func:`_batch_class`).
+        """
+        grid_y = (batch + BLOCK_B - 1) // BLOCK_B
+        hit = self.variants.get(variant) if FAST_LAUNCH else None
+        if hit is not None:
+            head_ptrs = [t.data_ptr() for t in heads]
+            src_ptrs = [t.data_ptr() for t in srcs]
+            dst_ptrs = [t.data_ptr() for t in dsts]
+            bits = 0
+            for ptr in (*head_ptrs, *src_ptrs, *dst_ptrs):
+                bits |= ptr
+            if (
+                not bits & 15
+                and batch <= _MAX_I32
+                and _idle(_knobs.runtime.launch_enter_hook)
+                and _idle(_knobs.runtime.launch_exit_hook)
+                and not self.pre_run_hooks
+                and variant[1] == torch.cuda.current_device()
+            ):
+                run, function, metadata, stream = hit
+                try:
+                    # The launcher's arguments as JITFunction.run passes them: grid, stream, function,
+                    # packed metadata, launch metadata and the two hooks (only read by hooks: None when
+                    # none is set), then the kernel's own.
+                    run(
+                        grid_x, grid_y, 1, stream(variant[1]), function, metadata, None, None, None,
+                        *head_ptrs,
+                        batch,
+                        *src_ptrs, *[src_ptrs[0]] * (_SLOTS - len(src_ptrs)), *src_widths,
+                        *dst_ptrs, *[dst_ptrs[0]] * (_SLOTS - len(dst_ptrs)), *dst_widths,
+                        *constexprs,
+                    )  # fmt: skip
+                except TypeError as error:  # raised while parsing the arguments, before any launch
+                    del self.variants[variant]
+                    self.refused = f"the launcher rejected the arguments: {error}"
+                else:
+                    self.fast_launches += 1
+                    return
+        self._launch_jit(
+            grid_x, grid_y, batch, heads, srcs, src_widths, dsts, dst_widths, constexprs, variant
+        )
+
+    def _launch_jit(
+        self,
+        grid_x: int,
+        grid_y: int,
+        batch: int,
+        heads: Sequence[torch.Tensor],
+        srcs: Sequence[torch.Tensor],
+        src_widths: tuple[int, ...],
+        dsts: Sequence[torch.Tensor],
+        dst_widths: tuple[int, ...],
+        constexprs: tuple[Any, ...],
+        variant: tuple[object, ...],
+    ) -> None:
+        """The JIT's own launch; keeps the compiled kernel for direct launches when it may (see the class)."""
+        args = (*heads, batch, *_pad(srcs), *src_widths, *_pad(dsts), *dst_widths)
+        options = dict(zip(self.constexpr_names, constexprs, strict=True))
+        current = variant[1] == torch.cuda.current_device()
+        # The JIT launches on the current device: make it the tensors' one.
+        with contextlib.nullcontext() if current else torch.cuda.device(srcs[0].device):
+            compiled = self.jit[(grid_x, grid_y)](*args, **options, num_warps=NUM_WARPS)
+        aligned = not any(t.data_ptr() & 15 for t in (*heads, *srcs, *dsts))
+        if current and aligned and batch <= _MAX_I32 and _knobs is not None and not self.pre_run_hooks:
+            self._keep(compiled, variant, len(args) + len(constexprs))
+
+    def _keep(self, compiled: Any, variant: tuple[object, ...], n_args: int) -> None:
+        """Cache ``compiled`` for direct launches if its signature is the one this module passes."""
+        signature = getattr(getattr(compiled, "src", None), "signature", None)
+        if not isinstance(signature, dict) or len(signature) != n_args:
+            self.refused = f"signature {signature!r} does not have {n_args} arguments"
+            return
+        types = [str(t) for t in signature.values()]
+        heads = range(self.n_heads)
+        srcs = range(self.n_heads + 1, self.n_heads + 1 + _SLOTS)
+        dsts = range(self.n_heads + 1 + 2 * _SLOTS, self.n_heads + 1 + 3 * _SLOTS)
+        n_const = len(self.constexpr_names)
+        if (
+            types[self.n_heads] not in ("i32", "constexpr")
+            or not all(types[i].startswith("*") for i in (*heads, *srcs, *dsts))
+            or any(t != "constexpr" for t in types[-n_const:])
+        ):
+            self.refused = f"unexpected argument types {types}"
+            return
+        try:
+            from triton.runtime.driver import driver
+
+            entry = (
+                compiled.run,
+                compiled.function,
+                compiled.packed_metadata,
+                driver.active.get_current_stream,
+            )
+        except AttributeError as error:
+            self.refused = f"no launcher: {error}"
+            return
+        if entry[1] is None:
+            self.refused = "no CUfunction handle"
+            return
+        if len(self.variants) >= _MAX_VARIANTS:
+            self.variants.clear()
+        self.variants[variant] = entry
+
+
+def _batch_class(batch: int) -> int:
+    """How the JIT specialises ``batch``: 1 becomes a constant, a multiple of 16 is marked divisible."""
+    return 1 if batch == 1 else 0 if batch & 15 else 16
+
+
+def _idle(hook: Any) -> bool:
+    """Whether a launch hook does nothing: unset, or an empty ``HookChain`` (Triton 3.5+'s default)."""
+    return hook is None or not getattr(hook, "calls", True)
+
+
+_FORWARD = _Kernel(_regroup_fwd_kernel, 1, ("BLOCK_B", "BLOCK_D", "ALIGN"))
+_BACKWARD = _Kernel(_regroup_bwd_kernel, 2, ("BLOCK_B", "BLOCK_D", "ALIGN", "ACC"))
+
+
+def _pad(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [*tensors, *[tensors[0]] * (_SLOTS - len(tensors))]
+
+
+def _pad_widths(widths: Sequence[int]) -> tuple[int, ...]:
+    return (*widths, *[0] * (_SLOTS - len(widths)))
+
+
+class _Layout:
+    """What the launches of one plan need besides its tensors: grid sizes, padded widths, constexprs."""
+
+    __slots__ = (
+        "align",
+        "block_d",
+        "bwd_constexprs",
+        "fwd_constexprs",
+        "in_lengths",
+        "in_widths",
+        "n_bwd",
+        "n_fwd",
+        "out_lengths",
+        "out_widths",
+    )
+
+    def __init__(
+        self, meta: tuple[int, ...], in_lengths: tuple[int, ...], out_lengths: tuple[int, ...]
+    ) -> None:
+        self.block_d, self.align, self.n_fwd, self.n_bwd = meta[0], meta[1], meta[2], meta[3]
+        self.in_lengths = in_lengths
+        self.out_lengths = out_lengths
+        self.in_widths = _pad_widths(in_lengths)
+        self.out_widths = _pad_widths(out_lengths)
+        self.fwd_constexprs = (BLOCK_B, self.block_d, self.align)
+        # Backward constexprs by accumulator: fp64 sums for fp64, fp32 for every other dtype.
+        self.bwd_constexprs = {
+            dtype: (*self.fwd_constexprs, tl.float64 if dtype == torch.float64 else tl.float32)
+            for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+        }
+
+    def forward(self, values: Sequence[torch.Tensor], tiles: torch.Tensor) -> list[torch.Tensor]:
+        """``[B, out_lengths[g]]`` per group from ``[B, in_lengths[i]]`` per input (one launch)."""
+        inputs = [v.contiguous() for v in values]
+        first = inputs[0]
+        batch = first.size(0)
+        outputs = [first.new_empty((batch, w)) for w in self.out_lengths]
+        if self.n_fwd and batch:
+            _FORWARD.launch(
+                self.n_fwd,
+                batch,
+                (tiles,),
+                inputs,
+                self.in_widths,
+                outputs,
+                self.out_widths,
+                self.fwd_constexprs,
+                (first.dtype, first.get_device(), self.block_d, self.align, _batch_class(batch)),
+            )
+        return outputs
+
+    def backward(
+        self, grads: Sequence[torch.Tensor], tiles: torch.Tensor, occ: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """``[B, in_lengths[i]]`` input gradients from the groups' ``[B, out_lengths[g]]`` (one launch)."""
+        sources = [g.contiguous() for g in grads]
+        first = sources[0]
+        batch = first.size(0)
+        results = [first.new_empty((batch, w)) for w in self.in_lengths]
+        if self.n_bwd and batch:
+            dtype = first.dtype
+            _BACKWARD.launch(
+                self.n_bwd,
+                batch,
+                (tiles, occ),
+                sources,
+                self.out_widths,
+                results,
+                self.in_widths,
+                self.bwd_constexprs[dtype],
+                (dtype, first.get_device(), self.block_d, self.align, _batch_class(batch)),
+            )
+        return results
+
+
+_LAYOUTS: dict[tuple[tuple[int, ...], ...], _Layout] = {}
+
+
+def _layout(meta: Sequence[int], in_lengths: Sequence[int], out_lengths: Sequence[int]) -> _Layout:
+    """The :class:`_Layout` of a plan, built once (keyed by content: eager calls pass the plan's tuples)."""
+    key = (tuple(meta), tuple(in_lengths), tuple(out_lengths))
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[key] = _Layout(*key)
+    return layout
 
 
 def triton_forward(
@@ -135,25 +412,7 @@ def triton_forward(
     out_lengths: Sequence[int],
 ) -> list[torch.Tensor]:
     """Regrouped ``[B, out_lengths[g]]`` CUDA tensors, one launch (see the module docstring)."""
-    block_d, align, n_fwd = meta[0], meta[1], meta[2]
-    inputs = [v.contiguous() for v in values]
-    batch = inputs[0].size(0)
-    outputs = [inputs[0].new_empty((batch, w)) for w in out_lengths]
-    if n_fwd and batch:
-        grid = (n_fwd, triton.cdiv(batch, BLOCK_B))
-        _regroup_fwd_kernel[grid](
-            plan[0],
-            batch,
-            *_pad(inputs, inputs[0]),
-            *_pad(list(in_lengths), 0),
-            *_pad(outputs, outputs[0]),
-            *_pad(list(out_lengths), 0),
-            BLOCK_B=BLOCK_B,
-            BLOCK_D=block_d,
-            ALIGN=align,
-            num_warps=NUM_WARPS,
-        )
-    return outputs
+    return _layout(meta, in_lengths, out_lengths).forward(values, plan[0])
 
 
 def triton_backward(
@@ -164,25 +423,4 @@ def triton_backward(
     out_lengths: Sequence[int],
 ) -> list[torch.Tensor]:
     """Input gradients ``[B, in_lengths[i]]``, one launch, no atomics (see the module docstring)."""
-    block_d, align, n_bwd = meta[0], meta[1], meta[3]
-    sources = [g.contiguous() for g in grads]
-    batch = sources[0].size(0)
-    results = [sources[0].new_empty((batch, w)) for w in in_lengths]
-    if n_bwd and batch:
-        acc = tl.float64 if sources[0].dtype == torch.float64 else tl.float32
-        grid = (n_bwd, triton.cdiv(batch, BLOCK_B))
-        _regroup_bwd_kernel[grid](
-            plan[1],
-            plan[2],
-            batch,
-            *_pad(sources, sources[0]),
-            *_pad(list(out_lengths), 0),
-            *_pad(results, results[0]),
-            *_pad(list(in_lengths), 0),
-            BLOCK_B=BLOCK_B,
-            BLOCK_D=block_d,
-            ALIGN=align,
-            ACC=acc,
-            num_warps=NUM_WARPS,
-        )
-    return results
+    return _layout(meta, in_lengths, out_lengths).backward(grads, plan[1], plan[2])

@@ -3,7 +3,8 @@
 Compares, in one run, interleaved, medians: torchrec's generic fallback (``KeyedTensor.regroup``: split per
 key, one cat over every group, split; written here), a leaner split + one cat per group, fbgemm's
 ``permute_pooled_embs`` path and ``permute_multi_embedding`` (when fbgemm imports), each of our backends
-through :func:`kt_regroup.regroup`, a cached :class:`kt_regroup.KTRegroupAsDict`, and (when torchrec imports;
+through :func:`kt_regroup.regroup`, a cached :class:`kt_regroup.KTRegroupAsDict` (on CUDA also with its Triton
+kernels launched by the JIT instead of directly), and (when torchrec imports;
 never a dependency) torchrec's own ``KTRegroupAsDict`` and ``KeyedTensor.regroup``; forward and
 forward+backward. Columns: host time, GPU time (CUDA events), peak GPU memory and, on CUDA, the achieved
 bandwidth (bytes read + written) as a fraction of a measured device-to-device copy.
@@ -200,6 +201,9 @@ def _impls(
         )
     module = kt_regroup.KTRegroupAsDict(setup.groups, setup.names).to(device)
     impls["kt_regroup.KTRegroupAsDict"] = lambda: list(module(setup.kts).values())
+    if "triton" in available_backends(device):
+        # The same module with every Triton launch through the JIT (see _JIT_LAUNCH).
+        impls[_JIT_LAUNCH] = lambda: list(module(setup.kts).values())
     impls.update(_torchrec_impls(setup, device))
     if only:
         impls = {k: v for k, v in impls.items() if any(o in k for o in only)}
@@ -245,6 +249,24 @@ def _with_backward(
             kt.values().grad = None
 
     return call
+
+
+# A row of the cached module whose Triton kernels are launched by the JIT, forward and backward, instead of
+# directly (kt_regroup._triton_impl.FAST_LAUNCH off for the call): what the direct launch saves.
+_JIT_LAUNCH = "kt_regroup.KTRegroupAsDict[JIT launch]"
+
+
+def _through_jit(call: Callable[[], None]) -> Callable[[], None]:
+    from kt_regroup import _triton_impl
+
+    def run() -> None:
+        _triton_impl.FAST_LAUNCH = False
+        try:
+            call()
+        finally:
+            _triton_impl.FAST_LAUNCH = True
+
+    return run
 
 
 def _no_grad(impl: Callable[[], list[torch.Tensor]]) -> Callable[[], None]:
@@ -331,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             if grad and grads_out is None:
                 grads_out = [torch.randn_like(t) for t in impl()]
             calls[name] = _with_backward(impl, grads_out or [], setup.kts) if grad else _no_grad(impl)
+            if name == _JIT_LAUNCH:
+                calls[name] = _through_jit(calls[name])
         for _ in range(args.warmup):
             for call in calls.values():
                 call()
