@@ -5,13 +5,16 @@ lookups share it (a sequence lookup reads the same features as bags of one id).
 
 Phases (all collectives through :class:`~vbe_lookup._dist_comm.Communicator`, with timeouts):
 
-1. ``start``: host checks of the input; on the device, bucketize ids to ``(destination rank, slot)``,
+1. ``start``: host checks of the input (O(F), skipped for a known key order); on the device, bucketize
+   ids to ``(destination rank, slot)`` by one binary search over every shard's first row (O(N log K)),
    stable-sort them by it (the order inside a bag is kept), count ids per ``(rank, slot)`` and build the
-   bucketized lengths ``[rank, slot, sample]``. A fixed-size *header* all-to-all (status, batch size,
-   weight flags, ids per slot) is the only host sync; a bad input on any rank is reported to every rank
-   here. Then the lengths all-to-all is launched.
+   bucketized lengths ``[rank, slot, sample]`` by scatter-adds into known sizes. A fixed-size *header*
+   all-to-all (status, batch size, weight flags, ids sent, step number, ids per slot) and one
+   ``.tolist()`` of it are the only host sync of the step; a bad input or a rank out of step is reported
+   to every rank here. Then the lengths all-to-all is launched.
 2. ``wait``: wait for the lengths, all-to-all the ids and weights with explicit splits, and reorder
-   ``source → slot → sample`` into VBE's ``slot (feature) → source → sample``.
+   ``source → slot → sample`` into VBE's ``slot (feature) → source → sample`` with an index built on the
+   device from the received header.
 """
 
 from __future__ import annotations
@@ -187,13 +190,11 @@ class InputDist:
         # Padded segment (rank * S_max + slot) → compact (rank, slot) index and global feature (F: padding).
         compact = [0] * (world * s_max)
         seg_feature = [num_features] * (world * s_max)
-        seg_dim = [0] * (world * s_max)
         k = 0
         for d, rl in enumerate(layout.ranks):
-            for j, (slot, dim) in enumerate(zip(rl.slots, rl.slot_dims, strict=True)):
+            for j, slot in enumerate(rl.slots):
                 compact[d * s_max + j] = k
                 seg_feature[d * s_max + j] = slot.feature
-                seg_dim[d * s_max + j] = dim
                 k += 1
         self.num_compact = k
         dev = comm.device
@@ -209,7 +210,6 @@ class InputDist:
         self._rows = on_dev(rows)
         self._compact = on_dev(compact)
         self._seg_feature = on_dev(seg_feature)
-        self.seg_dim = on_dev(seg_dim)
         self._key_cache: dict[tuple[str, ...], Tensor] = {}
         self._recv_len_cache: dict[tuple[int, ...], Tensor] = {}
         self._stride_cache: dict[tuple[int, ...], list[list[int]]] = {}
