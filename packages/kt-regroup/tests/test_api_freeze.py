@@ -42,7 +42,8 @@ def test_a_changed_signature_fails_the_freeze(tmp_path: Path) -> None:
     """A copy of the package with one public method given an extra parameter no longer matches the snapshot."""
     tool = _tool()
     changed = tool.probe_copy(PACKAGE, tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    path = [str(tmp_path), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     command = [sys.executable, str(TOOL), "--installed", "--check", PACKAGE, "--snapshot", str(SNAPSHOT)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 1, result.stdout + result.stderr
