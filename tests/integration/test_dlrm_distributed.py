@@ -47,6 +47,9 @@ def _config(out: Path, **changes: Any) -> TrainConfig:
         eval_every=STEPS // 2,
         eval_batches=8,
         progress=False,
+        # Batches made in this process: a DataLoader worker costs ~16 s of start-up per run on 2 shared cores.
+        # The "pipelined" run keeps one worker, so the worker path is compared with the in-process one.
+        data_workers=0,
     )
     return dataclasses.replace(base, **changes)
 
@@ -97,7 +100,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[TrainResult
     root = tmp_path_factory.mktemp("dlrm")
     tsv = _write_criteo_tsv(root / "day_0.tsv", lines=5 * 8)
     configs = [
-        _config(root / "pipelined"),
+        _config(root / "pipelined", data_workers=1),
         _config(root / "plain", pipeline=False),
         _config(root / "resumed", steps=STEPS // 2),
         _config(root / "resumed", resume=True),
