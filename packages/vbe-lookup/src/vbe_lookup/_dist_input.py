@@ -34,8 +34,9 @@ from vbe_lookup.errors import BatchLayoutError, IndexOutOfRangeError, InvalidFea
 __all__ = ["DistributedFeatures", "InputDist", "InputDistHandle", "SourceContext"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
-_HEADER_FIXED = 6  # status, batch size, has weights, weights require grad, ids sent, step
+_HEADER_FIXED = 7  # status, batch size, has weights, weights require grad, ids sent, step, skipped backward
 _STEP = 5
+_SKIPPED = 6
 _OK, _BAD_INPUT, _BAD_IDS, _BAD_LENGTHS = 0, 1, 2, 3
 _MAX_CACHE = 64
 
@@ -225,28 +226,21 @@ class InputDist:
         local_error: VBELookupError | None = None
         # A dropped training output whose backward never ran still owes its peers the backward
         # all-to-alls: send zeros now (so no peer takes this header for a gradient), then report it.
-        owed = self.comm.catch_up_skipped_backward()
-        if owed:
-            local_error = CollectiveOrderError(
-                f"rank {self.rank}: the output of an earlier step was dropped without running `backward` "
-                f"(owed: {', '.join(owed)}); when training, every rank must run backward on a loss that "
-                "depends on the module's output, or run the forward under `torch.no_grad()`. The peers' "
-                "tables got no gradient from this rank for that step"
-            )
-        else:
-            try:
-                keys, values, lengths, weights, batch = self._check(features)
-            except VBELookupError as err:
-                local_error = err
+        owed = len(self.comm.catch_up_skipped_backward())
+        try:
+            keys, values, lengths, weights, batch = self._check(features)
+        except VBELookupError as err:
+            local_error = err
         if local_error is not None:
             header = torch.zeros((world, self.header_size), dtype=torch.int64, device=dev)
             header[:, 0] = _BAD_INPUT
             header[:, _STEP] = step
+            header[:, _SKIPPED] = owed
             recv = self.comm.all_to_all(
                 header.flatten(), [self.header_size] * world, [self.header_size] * world, "input dist header"
             )
-            rows = recv.view(world, self.header_size)[:, [0, _STEP]].tolist()
-            self._check_steps(step, [row[1] for row in rows])
+            rows = recv.view(world, self.header_size)[:, [0, _STEP, _SKIPPED]].tolist()
+            self._check_steps(step, [row[1] for row in rows], [row[2] for row in rows])
             self._raise_errors([row[0] for row in rows], str(local_error), local_error)
             raise AssertionError("unreachable")  # _raise_errors always raises when status is bad
 
@@ -293,6 +287,7 @@ class InputDist:
         header[:, 3] = int(weights is not None and weights.requires_grad and torch.is_grad_enabled())
         header[:, 4] = counts.sum(1)
         header[:, _STEP] = step
+        header[:, _SKIPPED] = owed
         header[:, _HEADER_FIXED:] = counts
         recv = self.comm.all_to_all(
             header.flatten(), [self.header_size] * world, [self.header_size] * world, "input dist header"
@@ -311,7 +306,7 @@ class InputDist:
         theirs = [flat[size + d * self.header_size : size + (d + 1) * self.header_size] for d in range(world)]
         ids_per_slot = tuple(flat[2 * size : 2 * size + my_slots])
         ids_per_feature = tuple(flat[2 * size + my_slots :])
-        self._check_steps(step, [row[_STEP] for row in theirs])
+        self._check_steps(step, [row[_STEP] for row in theirs], [row[_SKIPPED] for row in theirs])
         statuses = [row[0] for row in theirs]
         if any(statuses):
             message = ""
@@ -566,10 +561,13 @@ class InputDist:
             start += per_key[i]
         return "`values` has ids outside their tables' range"
 
-    def _check_steps(self, step: int, steps: list[int]) -> None:
-        """Every rank must be at the same step; else raise here, on every rank, before any other collective.
+    def _check_steps(self, step: int, steps: list[int], skipped: list[int]) -> None:
+        """Every rank at the same step, and no rank alone in skipping a backward; else raise everywhere.
 
-        Each rank receives every rank's step, so all of them see a mismatch and raise together.
+        Each rank receives every rank's step and skip count, so all of them raise together, before any
+        other collective. Every rank skipping (outputs of a grad-mode forward dropped everywhere, as in an
+        evaluation without ``no_grad``) is consistent and no error: the owed collectives were exchanged
+        as zeros on every rank and no table was updated.
         """
         if any(s != step for s in steps):
             raise CollectiveOrderError(
@@ -577,6 +575,18 @@ class InputDist:
                 f"rank: {steps}; this rank: {step}); a rank called `forward`/`start_input_dist` more often "
                 "than the others or skipped a step's `backward`, so the collectives no longer pair up"
             )
+        if any(skipped) and not all(skipped):
+            culprits = [r for r, n in enumerate(skipped) if n]
+            what = (
+                f"rank(s) {', '.join(map(str, culprits))} dropped the output of an earlier training step "
+                "without running `backward` while the other ranks ran theirs; the skipped backward "
+                "collectives were sent as zeros, so the other ranks' tables got no gradient from those "
+                "ranks for that step. When training, every rank must run backward on a loss that depends "
+                "on the module's output (or every rank runs the forward under `torch.no_grad()`)"
+            )
+            if self.rank in culprits:
+                raise CollectiveOrderError(f"rank {self.rank}: {what}")
+            raise PeerRankError(f"rank {self.rank}: {what}")
 
     def _raise_errors(self, statuses: list[int], message: str, own: VBELookupError | None) -> None:
         """Every rank calls this when some status is bad: gather the messages and raise everywhere."""

@@ -603,7 +603,8 @@ class ShardedEmbeddingBags(_ShardedModule):
     Every input dist header carries the step number, which every rank checks; a rank that frees a
     training output without its backward sends zeros in the backward collectives it owed (so the
     peers' tables get nothing from it, never its next header), and at the next step every rank raises
-    :class:`CollectiveOrderError` (the others :class:`PeerRankError` naming it).
+    :class:`CollectiveOrderError` (the others :class:`PeerRankError` naming it); every rank dropping
+    its output (an evaluation without ``no_grad``) is consistent and no error.
     """
 
     def _init_output_dist(self) -> None:
