@@ -387,7 +387,7 @@ def _run_sharded(
     backend = "nccl" if device.type == "cuda" else "gloo"
     port = _free_port()
     if world == 1:
-        if device.type == "cuda":
+        if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         try:
