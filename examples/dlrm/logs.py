@@ -4,7 +4,7 @@
   log warnings and errors only, unless ``all_ranks``.
 - :class:`MetricsWriter` (rank 0): one JSON object per line in ``metrics.jsonl`` for every training step
   (``{"kind": "train", "step", "loss", "samples", "step_seconds", "qps", "phase_ms", "kv_hit_rate",
-  "kv_forward_hit_rate"}``) and every evaluation (``{"kind": "eval", "step", "auc", "ne", "loss", "ctr",
+  "kv_forward_hit_rate"}``; hit rates over all ranks since the start) and every evaluation (``{"kind": "eval", "step", "auc", "ne", "loss", "ctr",
   "samples"}``); the same scalars go to TensorBoard event files under ``tensorboard/`` when the
   ``tensorboard`` package is installed (optional: ``pip install tensorboard``).
 - :func:`progress_bar`: a tqdm bar on rank 0 with the running loss, QPS and the last eval AUC.
