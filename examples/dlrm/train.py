@@ -1004,6 +1004,10 @@ def validate(config: TrainConfig, *, check_resume: bool = True) -> None:
     ):
         if value < 1:
             raise ArgumentError(f"`{flag}` is {value}, expected >= 1")
+    if config.min_batch_size is not None and not 0 <= config.min_batch_size <= config.batch_size:
+        raise ArgumentError(
+            f"`--min-batch-size` is {config.min_batch_size}, expected 0..`--batch-size` ({config.batch_size})"
+        )
     for flag, paths in (("--data", config.data), ("--eval-data", config.eval_data)):
         for path in paths:
             if not path.is_file():

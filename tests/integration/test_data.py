@@ -153,3 +153,47 @@ def test_batch_to_returns_a_batch_on_the_device() -> None:
         batch.to(torch.device("cuda")).record_stream(torch.cuda.current_stream())
     else:
         batch.record_stream(cast(torch.cuda.Stream, object()))  # CPU tensors: nothing is recorded
+
+
+def _lines_file(path: Path, labels: list[int]) -> Path:
+    path.write_text("".join(_line(y, ["1"] * 13, ["ab"] * 26) + "\n" for y in labels), encoding="utf-8")
+    return path
+
+
+def test_tsv_held_out_tail_is_not_trained_on(tmp_path: Path) -> None:
+    """`--eval-fraction 0.25` of 20 lines: training reads lines 0-14, evaluation lines 15-19 (labels tell)."""
+    from examples.dlrm.train import TrainConfig, _tsv_split
+
+    data = _lines_file(tmp_path / "day.tsv", [0] * 15 + [1] * 5)
+    config = TrainConfig(
+        out=tmp_path / "run",
+        data=(data,),
+        batch_size=4,
+        min_batch_size=None,
+        eval_fraction=0.25,
+        max_rows=100,
+    )
+    train_stop, reader = _tsv_split(config, 0, 1)
+    assert train_stop == 15
+    assert reader is not None
+    held_out = torch.cat([b.labels for b in reader])
+    assert held_out.tolist() == [1.0] * 5
+    trained = CriteoTSVReader(
+        [data], batch_size=4, table_rows=config.embedding_config(1).table_rows, lines=(0, train_stop)
+    )
+    assert torch.cat([b.labels for b in trained]).tolist() == [0.0] * 15
+
+
+def test_tsv_eval_data_files_are_the_held_out_split(tmp_path: Path) -> None:
+    """With `--eval-data` the training files are read whole and the eval reader reads the eval files."""
+    from examples.dlrm.train import TrainConfig, _tsv_split
+
+    data = _lines_file(tmp_path / "day0.tsv", [0] * 6)
+    held = _lines_file(tmp_path / "day1.tsv", [1] * 3)
+    config = TrainConfig(
+        out=tmp_path / "run", data=(data,), eval_data=(held,), batch_size=2, min_batch_size=None, max_rows=100
+    )
+    train_stop, reader = _tsv_split(config, 0, 1)
+    assert train_stop is None
+    assert reader is not None
+    assert torch.cat([b.labels for b in reader]).tolist() == [1.0] * 3

@@ -55,6 +55,11 @@ def _tsv(path: Path, lines: int = 20) -> Path:
         ),
         (["--resume"], CheckpointError, r"holds no checkpoint"),
         (["--steps", "0"], ArgumentError, r"`--steps` is 0, expected >= 1"),
+        (
+            ["--batch-size", "64"],
+            ArgumentError,
+            r"`--min-batch-size` is 128, expected 0..`--batch-size` \(64\)",
+        ),
     ],
     ids=[
         "unknown-data",
@@ -64,6 +69,7 @@ def _tsv(path: Path, lines: int = 20) -> Path:
         "tsv-eval-without-held-out",
         "resume-without-checkpoint",
         "zero-steps",
+        "min-batch-above-batch",
     ],
 )
 def test_bad_flags_raise_the_trainers_error(
