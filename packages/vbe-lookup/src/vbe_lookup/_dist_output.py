@@ -82,16 +82,6 @@ class PooledOutputDist(_OutputDistBase):
         self._col_feature = col_feature.to(comm.device)
         self._col_mean = torch.tensor(mean, dtype=torch.bool)[col_feature].to(comm.device)
         self._target_cache: dict[int, Tensor] = {}
-        # Every (owner rank, slot) segment in receive order: its feature's first column and its dim.
-        seg_col: list[int] = []
-        seg_dim: list[int] = []
-        for rl in layout.ranks:
-            for slot, dim in zip(rl.slots, rl.slot_dims, strict=True):
-                seg_col.append(self.col_offset[slot.feature])
-                seg_dim.append(dim)
-        self._seg_col = torch.tensor(seg_col, dtype=torch.int64).to(comm.device)
-        self._seg_dim = torch.tensor(seg_dim, dtype=torch.int64).to(comm.device)
-        self._sum_seg_dims = sum(seg_dim)
         # Segments of the received buffer, one per (owner rank, slot) in receive order: first column in the
         # output and width. _target expands them for any batch size with a few device ops (no host loop).
         seg_col = [self.col_offset[slot.feature] for rl in layout.ranks for slot in rl.slots]
@@ -126,17 +116,18 @@ class PooledOutputDist(_OutputDistBase):
         if cached is None:
             if len(self._target_cache) >= _MAX_CACHE:
                 self._target_cache.clear()
-            # Vectorized on the device (O(elements), no per-segment tensors, no host copy): element e of
-            # segment k (B samples x dim_k) goes to row e // dim_k, column col_k + e % dim_k.
-            dev = self.comm.device
-            total = batch * self._sum_seg_dims
+            # Segment s holds batch * dim_s elements, sample-major: element t of it is sample t // dim_s,
+            # column seg_col[s] + t % dim_s of the [B, sum(dims)] output.
             sizes = self._seg_dim * batch
-            seg = torch.repeat_interleave(torch.arange(sizes.numel(), device=dev), sizes, output_size=total)
-            start = torch.cumsum(sizes, 0) - sizes
-            within = torch.arange(total, device=dev) - start[seg]
-            dim = self._seg_dim[seg]
+            total = batch * self._seg_width
+            segment = torch.repeat_interleave(
+                torch.arange(sizes.numel(), device=sizes.device), sizes, output_size=total
+            )
+            first = torch.cumsum(sizes, 0) - sizes
+            within = torch.arange(total, device=sizes.device) - first[segment]
+            dim = self._seg_dim[segment]
             sample = torch.div(within, dim, rounding_mode="floor")
-            cached = sample * self.total_dim + self._seg_col[seg] + (within - sample * dim)
+            cached = sample * self.total_dim + self._seg_col[segment] + (within - sample * dim)
             self._target_cache[batch] = cached
         return cached
 
