@@ -4,6 +4,7 @@ batches ahead; forced on the CPU and, marked ``gpu``, on CUDA."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -551,6 +552,108 @@ def test_device_cache_lookup_and_victims() -> None:
     assert lower.cached_rows == 1  # row 6 went down to the host tier
 
 
+def test_host_tier_matches_a_model_over_takes_gives_and_evictions() -> None:
+    """HostTier (hash index with tombstones and rebuilds, free-slot stack, queue of given slots) against a dict:
+    takes return the rows given (the rest from below), evictions take the least recently given rows and hand
+    exactly the dirty ones down."""
+    below = _RecordingTier()
+    tier = HostTier(12, [4, 3], below, pin=False)
+    gen = torch.Generator().manual_seed(7)
+    held: dict[tuple[int, int], tuple[torch.Tensor, bool, int]] = {}  # key -> (row, dirty, give number)
+    gives = 0
+    for _ in range(120):
+        count = int(torch.randint(1, 9, (1,), generator=gen))
+        pairs = torch.randint(0, 40, (count, 2), generator=gen)
+        keys = sorted({(int(t) % 2, int(i)) for t, i in pairs.tolist()})
+        tables = torch.tensor([t for t, _ in keys], dtype=torch.int64)
+        ids = torch.tensor([i for _, i in keys], dtype=torch.int64)
+        if torch.rand(1, generator=gen) < 0.5:  # take
+            rows = tier.take(tables, ids)
+            for j, key in enumerate(keys):
+                if key in held:
+                    row, dirty, _ = held.pop(key)
+                    torch.testing.assert_close(rows.weights[j], row)
+                    assert bool(rows.dirty[j]) == dirty
+                else:
+                    torch.testing.assert_close(rows.weights[j], torch.full((4,), -1.0))
+        else:  # give rows absent here
+            keys = [key for key in keys if key not in held]
+            if not keys:
+                continue
+            gives += 1
+            weights = torch.rand(len(keys), 4, generator=gen)
+            marked = torch.rand(len(keys), generator=gen) < 0.5
+            need = len(keys) - (12 - len(held))
+            before = set(held)
+            below.given.clear()
+            tier.give(
+                TierRows(
+                    tables=torch.tensor([t for t, _ in keys], dtype=torch.int64),
+                    ids=torch.tensor([i for _, i in keys], dtype=torch.int64),
+                    weights=weights,
+                    state=torch.zeros(len(keys)),
+                    dirty=marked,
+                )
+            )
+            held_now = {
+                (int(t), int(i))
+                for t, i, v in zip(tier.slot_tables, tier.slot_ids, tier.valid, strict=True)
+                if v
+            }
+            evicted = before - held_now
+            assert len(evicted) == max(need, 0)
+            if evicted and before - evicted:  # the least recently given rows (ties broken any way)
+                assert max(held[key][2] for key in evicted) <= min(held[key][2] for key in before - evicted)
+            assert below.given == {key for key in evicted if held[key][1]}
+            for key in evicted:
+                del held[key]
+            for j, key in enumerate(keys):
+                held[key] = (weights[j], bool(marked[j]), gives)
+        assert tier.cached_rows == len(held)
+        found, _ = tier._index.find(
+            torch.tensor([t for t, _ in held], dtype=torch.int64).numpy(),
+            torch.tensor([i for _, i in held], dtype=torch.int64).numpy(),
+        )
+        assert (found >= 0).all()
+
+
+class _RecordingTier:
+    """A bottom tier that returns rows of -1 and records the keys handed down to it."""
+
+    keeps_clean_rows = False
+
+    def __init__(self) -> None:
+        self.given: set[tuple[int, int]] = set()
+
+    def take(self, tables: torch.Tensor, ids: torch.Tensor) -> TierRows:
+        k = ids.numel()
+        return TierRows(
+            tables=tables,
+            ids=ids,
+            weights=torch.full((k, 4), -1.0),
+            state=torch.zeros(k),
+            dirty=torch.zeros(k, dtype=torch.bool),
+        )
+
+    def give(self, rows: TierRows) -> None:
+        self.given |= {(int(t), int(i)) for t, i in zip(rows.tables.tolist(), rows.ids.tolist(), strict=True)}
+
+    def persist(self, rows: TierRows) -> None:
+        del rows
+
+    def flush(self) -> None:
+        return None
+
+    def clear(self) -> None:
+        return None
+
+    def summary(self) -> dict[str, float]:
+        return {}
+
+    def reset_metrics(self) -> None:
+        return None
+
+
 class _NullTier:
     """A bottom tier of fresh zero rows."""
 
@@ -638,6 +741,33 @@ def test_cuda_prefetched_step_has_no_host_sync() -> None:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert module.metrics()["forwards_without_prefetch"] == 0
+    module.close()
+
+
+@pytest.mark.gpu
+def test_cuda_prefetch_with_misses_syncs_at_most_three_times() -> None:
+    """A prefetch that moves rows both ways syncs with the host at most three times (the plan's offsets copy,
+    the assignment's counts, the wait for the missing keys and victims), whatever the batch size."""
+    batches = make_batches(8, vbe=False, batch=16)
+    module = make_module("cuda", on_device=True, cache_rows=3, host_cache_rows=10)
+    on = [(b.indices.cuda(), b.offsets.cuda()) for b in batches]
+    module.prefetch(*on[0])
+    module(*on[0]).sum().backward()
+    counts = []
+    for indices, offsets in on[1:]:
+        torch.cuda.synchronize()
+        moved = module.metrics()["hbm_inserted_rows"]
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                module.prefetch(indices, offsets)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert module.metrics()["hbm_inserted_rows"] > moved  # rows did move
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+        module(indices, offsets).sum().backward()
+    assert max(counts) <= 3, counts
     module.close()
 
 

@@ -17,15 +17,20 @@ Index: the valid slots sorted by a 64-bit hash of ``(table, id)`` (invalid slots
 row look absent (probability ~``S * N / 2**64`` per batch, ``S`` slots, ``N`` lookups). Rebuilt with one
 sort after each assignment that moved rows.
 
-Host syncs happen only in :meth:`DeviceCache.assign` (the prefetch, or a forward without one): the miss
-count, the missing ids (to read them from the tier below) and the evicted rows (to write them down).
+Host syncs happen only in :meth:`DeviceCache.assign` (the prefetch, or a forward without one), at most two:
+one read of its counts (unique rows, misses, scratch overflow), and with misses one wait for a single
+device-to-host copy of the missing ids and the victims' rows (into reused pinned buffers; the rows read from
+below go up in one copy nothing waits for). Everything before the counts works on arrays padded to the batch's
+lookups, so no shape depends on data until then.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from ssd_tbe_adapter._host_tier import RowTier, TierRows
@@ -50,7 +55,7 @@ class Assignment:
     """The slots one batch got (device tensors; they hold its rows until the batch is released)."""
 
     slots: torch.Tensor  # [N] int64: the slot of each lookup
-    unique_slots: torch.Tensor  # [U] int64 ascending: the batch's rows
+    unique_slots: torch.Tensor  # [U] int64 distinct: the batch's rows, in (table, id) order
     inverse: torch.Tensor  # [N] int64: position of each lookup's slot in unique_slots
     inserted: int  # rows moved in from the tier below for this batch
 
@@ -71,19 +76,40 @@ class DeviceCacheMetrics:
     assigns_with_misses: int = 0
 
 
-def _unique_pairs(tables: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unique ``(table, id)`` pairs sorted by table then id, and the position of each input pair among them.
+def _unique_pairs(
+    tables: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unique ``(table, id)`` pairs of ``N > 0`` lookups, sorted by table then id, *padded to N* (no sync).
 
-    Two stable sorts and an adjacent compare (``torch.unique(dim=0)`` is several times slower); one sync (the
-    number of unique pairs)."""
+    Two stable sorts and an adjacent compare (``torch.unique(dim=0)`` is several times slower).
+
+    Returns:
+        ``(tables, ids, counts, inverse, unique)``: ``[N]`` pairs (positions ``>= unique`` repeat the last
+        pair), ``[N]`` lookups per pair (0 past ``unique``), ``[N]`` position of each lookup's pair, and the
+        number of unique pairs as a 0-dim device tensor.
+    """
+    n = ids.numel()
     order = torch.argsort(ids, stable=True)
     order = order.index_select(0, torch.argsort(tables.index_select(0, order), stable=True))
     sorted_tables, sorted_ids = tables.index_select(0, order), ids.index_select(0, order)
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
     first[1:] = (sorted_tables[1:] != sorted_tables[:-1]) | (sorted_ids[1:] != sorted_ids[:-1])
-    inverse = torch.empty_like(order).index_copy_(0, order, torch.cumsum(first, 0) - 1)
-    starts = first.nonzero().flatten()
-    return sorted_tables.index_select(0, starts), sorted_ids.index_select(0, starts), inverse
+    rank = torch.cumsum(first, 0) - 1
+    inverse = torch.empty_like(order).index_copy_(0, order, rank)
+    # starts[k]: sorted position of pair k's first lookup, n past the last pair (non-first lookups write to
+    # the dummy entry n, reset after).
+    starts = torch.full((n + 1,), n, dtype=torch.int64, device=ids.device)
+    starts.index_copy_(0, torch.where(first, rank, n), torch.arange(n, device=ids.device))
+    starts[n] = n
+    counts = starts[1:] - starts[:-1]
+    head = starts[:n].clamp(max=n - 1)
+    return (
+        sorted_tables.index_select(0, head),
+        sorted_ids.index_select(0, head),
+        counts,
+        inverse,
+        rank[-1] + 1,
+    )
 
 
 class DeviceCache:
@@ -137,6 +163,8 @@ class DeviceCache:
         self.bases_device = torch.tensor(self.bases, dtype=torch.int64, device=device)
         self.metrics = DeviceCacheMetrics()
         self._evicted_since_aging = 0
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._up_event: Any = None
         self._allocate(self.region_size, keep=False)
 
     # ------------------------------------------------------------------ state
@@ -210,33 +238,52 @@ class DeviceCache:
         """Slots for every lookup ``(tables[i], ids[i])`` (``[N]`` int64, device): hits are touched at ``tick``,
         unique misses are read from the tier below into free or evicted slots (victims: the least used, then
         least recently used, slots last touched before ``protect``; the table's own slots first, then the
-        scratch pool, grown if needed); evicted rows go down. Syncs with the host (miss count, missing ids,
-        evicted rows, the number of unique rows).
+        scratch pool, grown if needed); evicted rows go down.
+
+        Host syncs: one read of four counts (unique rows, misses, scratch overflow, free scratch slots); with
+        misses, one wait for the missing keys and the victims' rows (one device-to-host copy into reused pinned
+        buffers). The rows read from below go up in one host-to-device copy that nothing waits for.
         """
         self.metrics.assigns += 1
-        inserted_before = self.metrics.inserted_rows
-        slots = self._slots(tables, ids, tick, protect)
-        unique_slots, inverse = torch.unique(slots, return_inverse=True)
-        inserted = self.metrics.inserted_rows - inserted_before
-        self.metrics.lookups += unique_slots.numel()
-        self.metrics.hits += unique_slots.numel() - inserted
-        return Assignment(slots=slots, unique_slots=unique_slots, inverse=inverse, inserted=inserted)
-
-    def _slots(self, tables: torch.Tensor, ids: torch.Tensor, tick: int, protect: int) -> torch.Tensor:
-        slots = self.lookup(tables, ids)
+        n = ids.numel()
+        if n == 0:
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return Assignment(slots=empty, unique_slots=empty, inverse=empty, inserted=0)
+        u_tables, u_ids, counts, inverse, unique = _unique_pairs(tables, ids)
+        real = torch.arange(n, device=self.device) < unique  # padding past the unique pairs
+        slots = self.lookup(u_tables, u_ids)
         hit = slots >= 0
-        touched = torch.where(hit, slots, self.trash)
+        miss = ~hit & real
+        # Hits: stamped and counted (unique slots: a plain copy, the trash slot takes the rest).
+        touched = torch.where(hit & real, slots, self.trash)
         self.stamp.index_fill_(0, touched, tick)
-        self.uses.index_put_((touched,), torch.ones_like(touched), accumulate=True)
-        miss_positions = (~hit).nonzero().flatten()  # host sync: the miss count
-        if miss_positions.numel() == 0:
-            return slots
-        self.metrics.assigns_with_misses += 1
-        miss_tables, miss_ids, inverse = _unique_pairs(
-            tables.index_select(0, miss_positions), ids.index_select(0, miss_positions)
+        self.uses.index_copy_(0, touched, self.uses.index_select(0, touched) + counts)
+        chosen, overflowing, scratch_free = self._choose(u_tables, miss, protect)
+        counts_host = torch.stack(
+            [unique, miss.sum(), overflowing.sum(), scratch_free]
+        ).tolist()  # host sync: the only one before the rows move
+        u, m, overflow, free = (int(c) for c in counts_host)
+        if m:
+            self.metrics.assigns_with_misses += 1
+            if overflow:
+                chosen = self._overflow(chosen, overflowing, overflow, free, protect)
+            # Positions of the misses among the pairs (ascending), without a sync: m is known.
+            rank = torch.cumsum(miss, 0) - 1
+            at = torch.empty(m + 1, dtype=torch.int64, device=self.device).index_copy_(
+                0, torch.where(miss, rank, m), torch.arange(n, device=self.device)
+            )[:m]
+            new_slots = chosen.index_select(0, at)
+            self._move_in(new_slots, u_tables.index_select(0, at), u_ids.index_select(0, at), tick)
+            slots = slots.index_copy(0, at, new_slots)
+        unique_slots = slots[:u]
+        self.metrics.lookups += u
+        self.metrics.hits += u - m
+        return Assignment(
+            slots=unique_slots.index_select(0, inverse),
+            unique_slots=unique_slots,
+            inverse=inverse,
+            inserted=m,
         )
-        new_slots = self._place(miss_tables, miss_ids, tick, protect)
-        return slots.index_copy(0, miss_positions, new_slots.index_select(0, inverse))
 
     def _priorities(self, start: int, stop: int, protect: int) -> torch.Tensor:
         """Victim priority of slots ``[start, stop)`` (lowest first): -1 free, else (uses, last-use tick) as one
@@ -247,11 +294,23 @@ class DeviceCache:
             stamp >= protect, _NEVER, torch.where(self.valid[start:stop], key, torch.full_like(stamp, -1))
         )
 
-    def _place(self, tables: torch.Tensor, ids: torch.Tensor, tick: int, protect: int) -> torch.Tensor:
-        """Slots for uncached unique rows ``(tables, ids)`` sorted by table; moves the rows in."""
-        count = ids.numel()
+    def _choose(
+        self, tables: torch.Tensor, miss: torch.Tensor, protect: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Slots in the tables' own regions for the missing pairs (``miss``; ``tables`` ascending), no sync.
+
+        Returns:
+            ``chosen`` (``[N]``, -1 where none), the misses left for the scratch pool, and the number of
+            scratch slots that are not protected (0-dim).
+        """
+        n = tables.numel()
         device = self.device
-        misses_per_table = torch.bincount(tables, minlength=self.num_tables)
+        # Misses per table from the running miss count at each table's first pair (pairs sorted by table).
+        before = torch.zeros(n + 1, dtype=torch.int64, device=device)
+        before[1:] = torch.cumsum(miss, 0)
+        first_of_table = torch.searchsorted(tables, torch.arange(self.num_tables + 1, device=device))
+        misses_before = before.index_select(0, first_of_table)
+        misses_per_table = misses_before[1:] - misses_before[:-1]
         region = self.region_size
         if region:
             priority = self._priorities(0, region, protect)
@@ -266,65 +325,118 @@ class DeviceCache:
         else:
             order = torch.zeros(1, dtype=torch.int64, device=device)
             take = torch.zeros_like(misses_per_table)
-        first = torch.cumsum(misses_per_table, 0) - misses_per_table
-        rank = torch.arange(count, device=device) - first.index_select(0, tables)
-        in_region = rank < take.index_select(0, tables)
-        region_position = (self.bases_device.index_select(0, tables) + rank).clamp_(max=max(region - 1, 0))
+        rank = before[:-1] - misses_before.index_select(0, tables)  # of each miss within its table
+        in_region = miss & (rank < take.index_select(0, tables))
+        region_position = (self.bases_device.index_select(0, tables) + rank).clamp_(0, max(region - 1, 0))
         chosen = torch.where(in_region, order.index_select(0, region_position), -1)
-        overflow = int(count - take.sum())  # host sync
-        if overflow:
-            scratch_free = int((self._priorities(region, self.slots, protect) < _NEVER).sum())
-            if scratch_free < overflow:
-                scratch = self.slots - region
-                self._allocate(self.slots + max(overflow - scratch_free, scratch), keep=True)
-            scratch_priority = self._priorities(region, self.slots, protect)
-            scratch_order = torch.argsort(scratch_priority) + region
-            overflow_rank = (torch.cumsum((~in_region).to(torch.int64), 0) - 1).clamp_(min=0)
-            chosen = torch.where(in_region, chosen, scratch_order.index_select(0, overflow_rank))
-            self.metrics.scratch_rows += overflow
-        self._move_in(chosen, tables, ids, tick)
-        return chosen
+        scratch_free = (self._priorities(region, self.slots, protect) < _NEVER).sum()
+        return chosen, miss & ~in_region, scratch_free
+
+    def _overflow(
+        self, chosen: torch.Tensor, overflowing: torch.Tensor, overflow: int, free: int, protect: int
+    ) -> torch.Tensor:
+        """``chosen`` with scratch slots for the ``overflow`` misses marked in ``overflowing`` (the pool grown
+        first when fewer than that are ``free``)."""
+        region = self.region_size
+        if free < overflow:
+            scratch = self.slots - region
+            self._allocate(self.slots + max(overflow - free, scratch), keep=True)
+        scratch_order = torch.argsort(self._priorities(region, self.slots, protect)) + region
+        overflow_rank = (torch.cumsum(overflowing, 0) - 1).clamp_(0, scratch_order.numel() - 1)
+        self.metrics.scratch_rows += overflow
+        return torch.where(overflowing, scratch_order.index_select(0, overflow_rank), chosen)
+
+    def _staging(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reused host buffer ``[rows, cols]`` (pinned on CUDA; grown by doubling): a per-step pinned
+        allocation costs a cudaHostAlloc."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape[0] < rows or buffer.dtype != dtype:
+            size = max(rows, 2 * buffer.shape[0] if buffer is not None else 1024)
+            buffer = torch.empty(size, cols, dtype=dtype, pin_memory=self.device.type == "cuda")
+            self._buffers[name] = buffer
+        return buffer[:rows]
 
     def _move_in(self, slots: torch.Tensor, tables: torch.Tensor, ids: torch.Tensor, tick: int) -> None:
-        """Evict what ``slots`` hold (down to the tier below), then read ``(tables, ids)`` into them.
+        """Evict what ``slots`` (``[M]``, distinct) hold (down to the tier below), then read ``(tables, ids)``
+        into them.
 
-        Failure-safe order (a store call may raise): the victims are handed down first and only then
-        forgotten here, and the missing rows are read before anything is written into their slots. A failing
-        write-back leaves this tier unchanged (the victims still hold their rows); a failing read leaves the
-        victims' rows below and their slots free. Either way every row lives in exactly one tier.
+        One device-to-host copy carries the missing keys and every victim slot's key, flags and row (two
+        reused pinned buffers, then one wait); the victims are picked out on the host. Failure-safe order (a
+        store call may raise): the victims are handed down first and only then forgotten here, and the
+        missing rows are read before anything is written into their slots. A failing write-back leaves this
+        tier unchanged (the victims still hold their rows); a failing read leaves the victims' rows below and
+        their slots free. Either way every row lives in exactly one tier.
         """
-        occupied = slots[self.valid.index_select(0, slots)]  # host sync (size)
-        if occupied.numel():
-            handed = (
-                occupied if self.lower.keeps_clean_rows else occupied[self.dirty.index_select(0, occupied)]
-            )
-            if handed.numel():
-                evicted = self.rows_to_host(handed)
-                self.lower.give(evicted)
-                self.metrics.written_back_rows += int(evicted.dirty.sum())
-            self.metrics.evicted_rows += int(occupied.numel())
-            self._evicted_since_aging += int(occupied.numel())
+        m, dmax, device = ids.numel(), self.dmax, self.device
+        cuda = device.type == "cuda"
+        flags = self.valid.index_select(0, slots).to(torch.int64) | (
+            self.dirty.index_select(0, slots).to(torch.int64) << 1
+        )
+        keys = torch.stack(
+            [
+                tables,
+                ids,
+                self.slot_tables.index_select(0, slots),
+                self.slot_ids.index_select(0, slots),
+                flags,
+            ],
+            1,
+        )
+        rows = torch.cat([self.weights.index_select(0, slots), self.state.index_select(0, slots)[:, None]], 1)
+        host_keys = self._staging("keys", m, 5, torch.int64)
+        host_rows = self._staging("down", m, dmax + 1, torch.float32)
+        host_keys.copy_(keys, non_blocking=cuda)
+        host_rows.copy_(rows, non_blocking=cuda)
+        if cuda:
+            torch.cuda.current_stream(device).synchronize()  # host sync: the missing keys and the victims
+        self.metrics.bytes_to_host += m * (5 * 8 + (dmax + 1) * 4)
+        keys_np, rows_np = host_keys.numpy(), host_rows.numpy()  # numpy: faster row picks on the host
+        host_flags = keys_np[:, 4]
+        occupied = (host_flags & 1).astype(np.bool_)
+        handed = occupied if self.lower.keeps_clean_rows else (host_flags == 3)
+        evicted = int(occupied.sum())
+        if evicted:
+            picked = np.flatnonzero(handed)
+            if picked.shape[0]:
+                victims = TierRows(
+                    tables=torch.from_numpy(keys_np[picked, 2]),
+                    ids=torch.from_numpy(keys_np[picked, 3]),
+                    weights=torch.from_numpy(rows_np[picked, :dmax]),
+                    state=torch.from_numpy(rows_np[picked, dmax]),
+                    dirty=torch.from_numpy((host_flags[picked] & 2).astype(np.bool_)),
+                )
+                self.lower.give(victims)
+                self.metrics.written_back_rows += int(victims.dirty.sum())
+            self.metrics.evicted_rows += evicted
+            self._evicted_since_aging += evicted
             if self._evicted_since_aging >= self.aging_turnovers * max(self.slots, 1):
                 self.uses.bitwise_right_shift_(1)  # old popularity fades
                 self._evicted_since_aging = 0
             # The index may still list them until the rebuild below: lookups check `valid`.
-            self.valid.index_put_((occupied,), torch.zeros((), dtype=torch.bool, device=self.device))
-            self.dirty.index_put_((occupied,), torch.zeros((), dtype=torch.bool, device=self.device))
-        fetched = self.lower.take(tables.cpu(), ids.cpu())
-        non_blocking = self.device.type == "cuda"
-        self.weights.index_copy_(0, slots, fetched.weights.to(self.device, non_blocking=non_blocking))
-        self.state.index_copy_(0, slots, fetched.state.to(self.device, non_blocking=non_blocking))
-        self.dirty.index_put_((slots,), fetched.dirty.to(self.device))
+            self.valid.index_fill_(0, slots, False)
+            self.dirty.index_fill_(0, slots, False)
+        fetched = self.lower.take(host_keys[:, 0].clone(), host_keys[:, 1].clone())
+        up = self._staging("up", m, dmax + 2, torch.float32)
+        if cuda and self._up_event is not None and not self._up_event.query():
+            self._up_event.synchronize()  # the last copy out of `up` (normally long done: an earlier prefetch)
+        up[:, :dmax] = fetched.weights
+        up[:, dmax] = fetched.state
+        up[:, dmax + 1] = fetched.dirty
+        moved = up.to(device, non_blocking=cuda)
+        if cuda:
+            self._up_event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+            self._up_event.record(torch.cuda.current_stream(device))
+        self.weights.index_copy_(0, slots, moved[:, :dmax])
+        self.state.index_copy_(0, slots, moved[:, dmax])
+        self.dirty.index_copy_(0, slots, moved[:, dmax + 1] != 0)
         self.slot_ids.index_copy_(0, slots, ids)
         self.slot_tables.index_copy_(0, slots, tables)
-        self.valid.index_put_((slots,), torch.ones((), dtype=torch.bool, device=self.device))
+        self.valid.index_fill_(0, slots, True)
         self.stamp.index_fill_(0, slots, tick)
         self.uses.index_fill_(0, slots, 1)
         self._rebuild_index()
-        count = ids.numel()
-        self.metrics.inserted_rows += count
-        self.metrics.bytes_to_device += count * (self.dmax + 2) * 4
-        self.metrics.bytes_to_host += count * 16
+        self.metrics.inserted_rows += m
+        self.metrics.bytes_to_device += m * (dmax + 2) * 4
 
     def update(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """Apply ``optimizer`` to the rows in ``slots`` (``[U]`` unique, device) with their summed gradients

@@ -50,7 +50,7 @@ class _Batch:
     offsets: torch.Tensor
     host_offsets: torch.Tensor  # [bags + 1] int64 host: offsets as checked by the plan
     slots: torch.Tensor  # [N] int64: cache slot of each lookup
-    unique_slots: torch.Tensor  # [U] int64 ascending: the batch's rows
+    unique_slots: torch.Tensor  # [U] int64 distinct: the batch's rows
     inverse: torch.Tensor  # [N] int64: position of each lookup's slot in unique_slots
     bag_of_lookup: torch.Tensor  # [N] int64
     tick: int

@@ -13,8 +13,9 @@ Not thread-safe: the device path calls them from the thread running prefetch/for
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -142,7 +143,8 @@ class StoreTier:
     Args:
         tier: the module's cache tier (store, record layout, initialisation).
         dims: per table, its ``D``.
-        pin: allocate returned rows in pinned memory (CUDA).
+        pin: unused (rows come back in pageable memory: the device cache copies them through its own reused
+            pinned buffer, so no call allocates pinned memory).
     """
 
     keeps_clean_rows = False
@@ -159,13 +161,15 @@ class StoreTier:
         """Rows from the store, initialised where absent (clean)."""
         start = time.perf_counter()
         k = ids.numel()
-        weights = torch.zeros(k, self._dmax, dtype=torch.float32, pin_memory=self._pin)
-        state = torch.zeros(k, dtype=torch.float32, pin_memory=self._pin)
+        weights = torch.zeros(k, self._dmax, dtype=torch.float32)
+        state = torch.zeros(k, dtype=torch.float32)
+        weights_np, state_np = weights.numpy(), state.numpy()  # numpy: faster row scatters on the host
         for table, positions in _table_runs(tables, len(self._dims)):
             w, s = self._tier.read_rows(table, ids.index_select(0, positions))
-            weights[positions, : self._dims[table]] = w.to(torch.float32)
+            at = positions.numpy()
+            weights_np[at, : self._dims[table]] = w.to(torch.float32).numpy()
             if s.shape[1]:
-                state[positions] = s[:, 0]
+                state_np[at] = s[:, 0].to(torch.float32).numpy()
         self.metrics.lookups += k
         self.metrics.hits += k
         self.metrics.rows_out += k
@@ -185,9 +189,11 @@ class StoreTier:
             return
         start = time.perf_counter()
         with self._tier.lock:
+            all_weights, all_state = rows.weights.numpy(), rows.state.numpy()
             for table, positions in _table_runs(rows.tables, len(self._dims)):
-                weights = rows.weights.index_select(0, positions)[:, : self._dims[table]]
-                state = rows.state.index_select(0, positions)[:, None]
+                at = positions.numpy()
+                weights = torch.from_numpy(all_weights[at, : self._dims[table]])
+                state = torch.from_numpy(all_state[at])[:, None]
                 records = self._layout.encode(
                     table,
                     weights.to(self._layout.weight_dtype),
@@ -215,40 +221,101 @@ class StoreTier:
         self.metrics = TierMetrics()
 
 
-@dataclass(slots=True)
-class _SortedIndex:
-    """One table's ids held by the host tier: ids ascending and their slots (numpy, host)."""
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_EMPTY, _REMOVED = -1, -2
 
-    ids: np.ndarray[Any, np.dtype[np.int64]] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    slots: np.ndarray[Any, np.dtype[np.int64]] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+class _HashIndex:
+    """``(table, id) -> slot`` of the host tier: open addressing with linear probing over at least 4x the
+    capacity, each batch of keys probed together (numpy, one pass per probe step), so a batch costs time in
+    proportion to its size, never to the capacity. Removal leaves a tombstone; the table is rebuilt once live
+    entries and tombstones fill half of it, i.e. after at least a quarter of it was removed (amortised O(1)).
+
+    Entries hold only the slot; the keys are the tier's own ``slot_tables`` / ``slot_ids`` arrays (a slot's
+    entry is removed before the slot is reused).
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        slot_tables: np.ndarray[Any, np.dtype[np.int64]],
+        slot_ids: np.ndarray[Any, np.dtype[np.int64]],
+    ) -> None:
+        size = 1 << max(4, (4 * capacity - 1).bit_length())
+        self._mask = np.uint64(size - 1)
+        self._entries = np.full(size, _EMPTY, dtype=np.int64)
+        self._tables, self._ids = slot_tables, slot_ids
+        self._used = 0  # live entries plus tombstones
+
+    def _home(
+        self, tables: np.ndarray[Any, np.dtype[np.int64]], ids: np.ndarray[Any, np.dtype[np.int64]]
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
+        x = ids.astype(np.uint64) ^ (tables.astype(np.uint64) * _MIX[0])
+        x = (x ^ (x >> np.uint64(30))) * _MIX[1]
+        x = (x ^ (x >> np.uint64(27))) * _MIX[2]
+        home: np.ndarray[Any, np.dtype[np.int64]] = ((x ^ (x >> np.uint64(31))) & self._mask).astype(np.int64)
+        return home
 
     def find(
-        self, query: np.ndarray[Any, np.dtype[np.int64]]
+        self, tables: np.ndarray[Any, np.dtype[np.int64]], ids: np.ndarray[Any, np.dtype[np.int64]]
     ) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
-        """Slots of ``query`` ids (``-1`` where absent) and their positions in the index (for :meth:`remove`)."""
-        n = self.ids.shape[0]
-        if n == 0 or query.shape[0] == 0:
-            return np.full(query.shape[0], -1, dtype=np.int64), np.zeros(query.shape[0], dtype=np.int64)
-        position = np.minimum(np.searchsorted(self.ids, query), n - 1)
-        slots: np.ndarray[Any, np.dtype[np.int64]] = self.slots[position]
-        slots[self.ids[position] != query] = -1
-        return slots, position
+        """Slots of the keys (``-1`` where absent) and their entries' positions (for :meth:`remove`)."""
+        k = ids.shape[0]
+        slots = np.full(k, -1, dtype=np.int64)
+        where = np.zeros(k, dtype=np.int64)
+        active = np.arange(k)
+        position = self._home(tables, ids)
+        mask = int(self._mask)
+        while active.shape[0]:
+            entry = self._entries[position]
+            held = entry >= 0
+            slot = np.where(held, entry, 0)
+            match = held & (self._tables[slot] == tables[active]) & (self._ids[slot] == ids[active])
+            slots[active[match]] = entry[match]
+            where[active[match]] = position[match]
+            going = ~match & (entry != _EMPTY)
+            active, position = active[going], (position[going] + 1) & mask
+        return slots, where
 
     def remove(self, positions: np.ndarray[Any, np.dtype[np.int64]]) -> None:
-        """Forget the entries at ``positions`` (from :meth:`find`, unique): one pass over the index."""
-        if positions.shape[0]:
-            self.ids, self.slots = np.delete(self.ids, positions), np.delete(self.slots, positions)
+        """Forget the entries at ``positions`` (from :meth:`find`, distinct)."""
+        self._entries[positions] = _REMOVED
 
     def add(
-        self, ids: np.ndarray[Any, np.dtype[np.int64]], slots: np.ndarray[Any, np.dtype[np.int64]]
+        self,
+        tables: np.ndarray[Any, np.dtype[np.int64]],
+        ids: np.ndarray[Any, np.dtype[np.int64]],
+        slots: np.ndarray[Any, np.dtype[np.int64]],
     ) -> None:
-        """Add absent ``ids`` at ``slots`` (merge, no full re-sort)."""
+        """Add absent, distinct keys at ``slots``."""
         if ids.shape[0] == 0:
             return
-        order = np.argsort(ids, kind="stable")
-        ids, slots = ids[order], slots[order]
-        at = np.searchsorted(self.ids, ids)
-        self.ids, self.slots = np.insert(self.ids, at, ids), np.insert(self.slots, at, slots)
+        if self._used + ids.shape[0] > self._entries.shape[0] // 2:
+            live = self._entries[self._entries >= 0]
+            self._entries.fill(_EMPTY)
+            self._used = 0
+            self._insert(self._tables[live], self._ids[live], live)
+        self._insert(tables, ids, slots)
+
+    def _insert(
+        self,
+        tables: np.ndarray[Any, np.dtype[np.int64]],
+        ids: np.ndarray[Any, np.dtype[np.int64]],
+        slots: np.ndarray[Any, np.dtype[np.int64]],
+    ) -> None:
+        pending = np.arange(ids.shape[0])
+        position = self._home(tables, ids)
+        mask = int(self._mask)
+        while pending.shape[0]:
+            free = np.flatnonzero(self._entries[position] < 0)
+            # One key per free position this round; the others probe on.
+            taken, first = np.unique(position[free], return_index=True)
+            winners = free[first]
+            self._used += int((self._entries[taken] == _EMPTY).sum())
+            self._entries[taken] = slots[pending[winners]]
+            going = np.ones(pending.shape[0], dtype=np.bool_)
+            going[winners] = False
+            pending, position = pending[going], (position[going] + 1) & mask
 
 
 class HostTier:
@@ -256,75 +323,98 @@ class HostTier:
 
     Rows handed down (``give``) are kept, dirty or clean (a victim cache of the device cache); when it is
     full the least recently given rows leave, dirty ones written to the store. ``take`` moves rows up and
-    asks ``lower`` for the rest.
+    asks ``lower`` for the rest. Host work per call is proportional to its rows, not to the capacity: a hash
+    index (:class:`_HashIndex`), a stack of free slots and a queue of the slots in the order given (victims
+    are popped from its head, skipping slots taken since; compacted when it outgrows twice the capacity).
 
     Args:
         capacity: rows held, ``>= 1``.
         dims: per table, its ``D``.
         lower: the tier below (the store tier).
-        pin: pinned host memory (CUDA).
+        pin: unused: rows reach the device through the device cache's reused pinned buffers, so this tier's
+            buffer is ordinary host memory.
     """
 
     keeps_clean_rows = True
 
     def __init__(self, capacity: int, dims: Sequence[int], lower: RowTier, pin: bool) -> None:
+        del pin
         self.capacity = capacity
         self._dims = list(dims)
         self._dmax = max(self._dims)
         self._lower = lower
-        self._pin = pin
-        self.weights = torch.zeros(capacity, self._dmax, dtype=torch.float32, pin_memory=pin)
-        self.state = torch.zeros(capacity, dtype=torch.float32, pin_memory=pin)
+        self.weights = torch.zeros(capacity, self._dmax, dtype=torch.float32)
+        self.state = torch.zeros(capacity, dtype=torch.float32)
+        # numpy views of the same memory: numpy's row gathers/scatters are 2-4x faster than torch's on the CPU
+        self._weights_np, self._state_np = self.weights.numpy(), self.state.numpy()
         self.slot_tables = np.zeros(capacity, dtype=np.int64)
         self.slot_ids = np.zeros(capacity, dtype=np.int64)
         self.valid = np.zeros(capacity, dtype=np.bool_)
         self.dirty = np.zeros(capacity, dtype=np.bool_)
-        self.stamp = np.zeros(capacity, dtype=np.int64)
+        self.stamp = np.zeros(capacity, dtype=np.int64)  # the give (clock) that brought the row
         self._clock = 0
-        self._index = [_SortedIndex() for _ in self._dims]
+        self._reset_slots()
         self.metrics = TierMetrics()
+
+    def _reset_slots(self) -> None:
+        self._index = _HashIndex(self.capacity, self.slot_tables, self.slot_ids)
+        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack: pop from the end
+        self._free_count = self.capacity
+        # Slots in the order given, one (slots, stamps) chunk per give, oldest first; an entry is live while
+        # its slot is valid with that stamp.
+        self._queue: deque[tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]]
+        self._queue = deque()
+        self._queue_len = 0
 
     @property
     def cached_rows(self) -> int:
         """Rows held now."""
-        return int(self.valid.sum())
+        return self.capacity - self._free_count
+
+    def _push_free(self, slots: np.ndarray[Any, np.dtype[np.int64]]) -> None:
+        self._free[self._free_count : self._free_count + slots.shape[0]] = slots
+        self._free_count += slots.shape[0]
+
+    def _pop_free(self, count: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        self._free_count -= count
+        slots: np.ndarray[Any, np.dtype[np.int64]] = self._free[
+            self._free_count : self._free_count + count
+        ].copy()
+        return slots
 
     def take(self, tables: torch.Tensor, ids: torch.Tensor) -> TierRows:
         """Rows from here where held (removed here), the rest from ``lower``; in the order asked."""
         start = time.perf_counter()
         k = ids.numel()
-        slots = np.full(k, -1, dtype=np.int64)
-        at = np.zeros(k, dtype=np.int64)
-        runs = _table_runs(tables, len(self._dims))
-        ids_np = ids.numpy()
-        for table, positions in runs:
-            pos = positions.numpy()
-            slots[pos], at[pos] = self._index[table].find(ids_np[pos])
+        slots, at = self._index.find(tables.numpy(), ids.numpy())
         found = slots >= 0
         n_found = int(found.sum())
         missing = np.flatnonzero(~found)
         # Read the rest first: a failing store read leaves this tier unchanged.
         below = self._lower.take(tables[missing], ids[missing]) if missing.shape[0] else None
-        weights = torch.empty(k, self._dmax, dtype=torch.float32, pin_memory=self._pin)
-        state = torch.empty(k, dtype=torch.float32, pin_memory=self._pin)
-        dirty = torch.zeros(k, dtype=torch.bool)
+        if n_found == k:  # every row here (the DRAM tier's steady state): one gather
+            weights_np, state_np, dirty_np = self._weights_np[slots], self._state_np[slots], self.dirty[slots]
+        else:
+            weights_np = np.empty((k, self._dmax), dtype=np.float32)
+            state_np = np.empty(k, dtype=np.float32)
+            dirty_np = np.zeros(k, dtype=np.bool_)
+            if n_found:
+                hit_pos, held = np.flatnonzero(found), slots[found]
+                weights_np[hit_pos] = self._weights_np[held]
+                state_np[hit_pos] = self._state_np[held]
+                dirty_np[hit_pos] = self.dirty[held]
+            if below is not None:
+                weights_np[missing] = below.weights.numpy()
+                state_np[missing] = below.state.numpy()
+                dirty_np[missing] = below.dirty.numpy()
+        weights, state = torch.from_numpy(weights_np), torch.from_numpy(state_np)
+        dirty = torch.from_numpy(dirty_np)
         if n_found:
-            hit_pos = torch.from_numpy(np.flatnonzero(found))
-            hit_slots_np = slots[found]
-            hit_slots = torch.from_numpy(hit_slots_np)
-            weights[hit_pos] = self.weights.index_select(0, hit_slots)
-            state[hit_pos] = self.state.index_select(0, hit_slots)
-            dirty[hit_pos] = torch.from_numpy(self.dirty[hit_slots_np])
-            self.valid[hit_slots_np] = False
-            self.dirty[hit_slots_np] = False
-            for table, positions in runs:
-                pos = positions.numpy()
-                self._index[table].remove(at[pos][found[pos]])
-        if below is not None:
-            miss_pos = torch.from_numpy(missing)
-            weights[miss_pos] = below.weights
-            state[miss_pos] = below.state
-            dirty[miss_pos] = below.dirty
+            held = slots[found]
+            self.valid[held] = False
+            self.dirty[held] = False
+            self._index.remove(at[found])
+            self._push_free(held)
         self.metrics.lookups += k
         self.metrics.hits += n_found
         self.metrics.rows_out += n_found
@@ -342,31 +432,50 @@ class HostTier:
             self._lower.give(rows.select(torch.arange(k - self.capacity)))
             rows = rows.select(torch.arange(k - self.capacity, k))
             k = self.capacity
-        free = np.flatnonzero(~self.valid)[:k]
-        need = k - free.shape[0]
+        need = k - self._free_count
         if need > 0:
-            held = np.flatnonzero(self.valid)
-            victims = (
-                held[np.argpartition(self.stamp[held], need - 1)[:need]] if need < held.shape[0] else held
-            )
-            self._evict(victims)
-            free = np.concatenate([free, victims])
+            self._evict(self._oldest(need))
+        free = self._pop_free(k)
         self._clock += 1
-        slots = torch.from_numpy(free)
-        self.weights[slots] = rows.weights
-        self.state[slots] = rows.state
+        self._weights_np[free] = rows.weights.numpy()
+        self._state_np[free] = rows.state.numpy()
         tables_np, ids_np = rows.tables.numpy(), rows.ids.numpy()
         self.slot_tables[free] = tables_np
         self.slot_ids[free] = ids_np
         self.valid[free] = True
         self.dirty[free] = rows.dirty.numpy()
         self.stamp[free] = self._clock
-        for table, positions in _table_runs(rows.tables, len(self._dims)):
-            pos = positions.numpy()
-            self._index[table].add(ids_np[pos], free[pos])
+        self._index.add(tables_np, ids_np, free)
+        self._queue.append((free, np.full(k, self._clock, dtype=np.int64)))
+        self._queue_len += k
+        if self._queue_len > 2 * self.capacity:  # drop the entries of rows taken since (amortised O(1))
+            slots, stamps = (
+                np.concatenate([q for q, _ in self._queue]),
+                np.concatenate([t for _, t in self._queue]),
+            )
+            live = self.valid[slots] & (self.stamp[slots] == stamps)
+            self._queue = deque([(slots[live], stamps[live])])
+            self._queue_len = int(live.sum())
         self.metrics.rows_in += k
         self.metrics.bytes_in += k * (self._dmax + 1) * 4
         self.metrics.seconds += time.perf_counter() - start
+
+    def _oldest(self, count: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Pop the ``count`` least recently given rows still held off the queue (``count`` <= rows held)."""
+        picked: list[np.ndarray[Any, np.dtype[np.int64]]] = []
+        got = 0
+        while got < count and self._queue:
+            slots, stamps = self._queue[0]
+            live = np.flatnonzero(self.valid[slots] & (self.stamp[slots] == stamps))[: count - got]
+            picked.append(slots[live])
+            got += live.shape[0]
+            cut = int(live[-1]) + 1 if got == count else slots.shape[0]
+            if cut < slots.shape[0]:
+                self._queue[0] = (slots[cut:], stamps[cut:])
+            else:
+                self._queue.popleft()
+            self._queue_len -= cut
+        return np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
 
     def load(self, tables: torch.Tensor, ids: torch.Tensor) -> None:
         """Read rows (absent here and from every tier above) from the tier below into this tier (warm start)."""
@@ -389,7 +498,7 @@ class HostTier:
         """Forget every row."""
         self.valid[:] = False
         self.dirty[:] = False
-        self._index = [_SortedIndex() for _ in self._dims]
+        self._reset_slots()
         self._lower.clear()
 
     def summary(self) -> dict[str, float]:
@@ -422,8 +531,7 @@ class HostTier:
             self._lower.give(rows.select(dirty))
             self.metrics.written_rows += int(dirty.sum())
         self.metrics.evicted_rows += slots.shape[0]
-        for table, positions in _table_runs(rows.tables, len(self._dims)):
-            index = self._index[table]
-            index.remove(index.find(rows.ids[positions].numpy())[1])
+        self._index.remove(self._index.find(self.slot_tables[slots], self.slot_ids[slots])[1])
         self.valid[slots] = False
         self.dirty[slots] = False
+        self._push_free(slots)

@@ -150,8 +150,10 @@ def _timed(device: torch.device, step: Callable[[], None]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, Any]]:
-    """Every implementation of one case, interleaved; one result row each."""
+def run_case(
+    case: Case, device: torch.device, workdir: Path, only: set[str] | None = None
+) -> list[dict[str, Any]]:
+    """Every implementation of one case (or those named in ``only``), interleaved; one result row each."""
     torch.manual_seed(0)
     batches = _zipf_batches(case, case.warmup + case.steps + 1, seed=_SEED)
     batches = [(i.to(device), o.to(device)) for i, o in batches]
@@ -181,7 +183,10 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
         resident["fbgemm-tbe"] = case.tables * case.rows * (case.dim + 1) * 4
 
     io_threads = {VARIANT: ALT_IO_THREADS, FLOOR: MAX_IO_THREADS}
-    for name in ("kv-sync", "kv-prefetch", VARIANT, "kv-memstore-prefetch", *DEVICE_ROWS, FLOOR):
+    names: tuple[str, ...] = ("kv-sync", "kv-prefetch", VARIANT, "kv-memstore-prefetch", *DEVICE_ROWS, FLOOR)
+    if only is not None:  # the floor replays kv-prefetch's store traffic: it needs that row
+        names = tuple(n for n in names if n in only and (n != FLOOR or "kv-prefetch" in only))
+    for name in names:
         store: RocksDBStore | MemoryStore = (
             MemoryStore()
             if "memstore" in name
@@ -215,8 +220,11 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
         module(indices, offsets).sum().backward()
         module.wait_prefetch()
 
-    impls["kv-sync"] = sync_step
+    if "kv-sync" in modules:
+        impls["kv-sync"] = sync_step
     for name in ("kv-prefetch", VARIANT, "kv-memstore-prefetch", *DEVICE_ROWS):
+        if name not in modules:
+            continue
         impls[name] = lambda k, name=name: prefetch_step(name, k)  # type: ignore[misc]
         modules[name].prefetch(*batches[0])
 
@@ -234,20 +242,23 @@ def run_case(case: Case, device: torch.device, workdir: Path) -> list[dict[str, 
                 times[name].append(elapsed)
                 if device.type == "cuda":
                     peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated(device))
-    floor = modules.pop(FLOOR)
-    floor_store = cast(RocksDBStore, floor.store)
-    metrics = modules["kv-prefetch"].metrics()
-    reads, writes = (
-        round(metrics["store_rows_read"] / case.steps),
-        round(metrics["store_rows_written"] / case.steps),
-    )
-    times[FLOOR] = _store_io_floor(case, batches, floor_store, reads, writes, floor._layout.record_bytes[0])
-    resident[FLOOR] = 0
-    extra: dict[str, dict[str, Any]] = {
-        FLOOR: {"store_rows_read_per_step": reads, "store_rows_written_per_step": writes}
-    }
-    micro = _store_micro(case, floor_store, floor._layout.record_bytes[0])
-    floor.close()
+    extra: dict[str, dict[str, Any]] = {}
+    micro: list[dict[str, Any]] = []
+    if FLOOR in modules:
+        floor = modules.pop(FLOOR)
+        floor_store = cast(RocksDBStore, floor.store)
+        metrics = modules["kv-prefetch"].metrics()
+        reads, writes = (
+            round(metrics["store_rows_read"] / case.steps),
+            round(metrics["store_rows_written"] / case.steps),
+        )
+        times[FLOOR] = _store_io_floor(
+            case, batches, floor_store, reads, writes, floor._layout.record_bytes[0]
+        )
+        resident[FLOOR] = 0
+        extra[FLOOR] = {"store_rows_read_per_step": reads, "store_rows_written_per_step": writes}
+        micro = _store_micro(case, floor_store, floor._layout.record_bytes[0])
+        floor.close()
     results = []
     tbe_median = statistics.median(times["fbgemm-tbe"]) if "fbgemm-tbe" in times else None
     for name, samples in times.items():
@@ -448,6 +459,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", type=Path, help="where the RocksDB stores go (default: a temp dir)")
     parser.add_argument("--steps", type=int, help="measured steps per implementation")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument(
+        "--only",
+        help="comma-separated implementations to run (default: all; fbgemm-tbe runs whenever importable; "
+        f"{FLOOR} needs kv-prefetch)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -460,7 +476,8 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kv-bench-", dir=args.workdir))
     load_before = _load_average()
     try:
-        results = [row for case in cases for row in run_case(case, device, workdir / case.name)]
+        only = set(args.only.split(",")) if args.only else None
+        results = [row for case in cases for row in run_case(case, device, workdir / case.name, only)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     _print_table(results, device)
@@ -474,7 +491,9 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch.__version__,
             "command": "python -m ssd_tbe_adapter.bench"
             + (" --quick" if args.quick else "")
-            + (f" --threads {args.threads}" if args.threads else ""),
+            + (f" --threads {args.threads}" if args.threads else "")
+            + (f" --steps {args.steps}" if args.steps else "")
+            + (f" --only {args.only}" if args.only else ""),
             "threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
             # 1-minute load average of the host before and after the run (shared CI boxes are noisy).
