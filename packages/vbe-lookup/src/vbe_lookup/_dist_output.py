@@ -89,7 +89,6 @@ class PooledOutputDist(_OutputDistBase):
         self._seg_col = torch.tensor(seg_col, dtype=torch.int64).to(comm.device)
         self._seg_dim = torch.tensor(seg_dim, dtype=torch.int64).to(comm.device)
         self._seg_width = sum(seg_dim)
-        self._inverse_key_cache: dict[tuple[str, ...], Tensor] = {}
 
     def __call__(self, lookup_out: Tensor, dist: DistributedFeatures, anchor: Tensor | None) -> Tensor:
         """Return ``[B, sum(dims)]`` pooled embeddings of the local batch, keys in global feature order."""
