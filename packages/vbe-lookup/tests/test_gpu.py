@@ -214,9 +214,39 @@ def _sharded_features(seed: int, batch: int, tables: list[TableConfig]) -> VBEFe
     return VBEFeatures(keys, values, lengths, [[batch]] * len(keys), weights).to("cuda")
 
 
+def _sharded_reference(
+    state: dict[str, torch.Tensor], tables: list[TableConfig], features: VBEFeatures
+) -> torch.Tensor:
+    """``[B, sum(dims)]`` pooled output from the unsharded tables (``F.embedding_bag`` per feature)."""
+    batch = features.stride_per_key_per_rank()[0][0]
+    lengths = features.lengths().view(-1, batch)
+    offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths.reshape(-1), 0)])
+    weights = features.weights_or_none()
+    cols = []
+    i = 0
+    for t in tables:
+        for _ in t.feature_names:
+            lo, hi = int(offsets[i * batch]), int(offsets[(i + 1) * batch])
+            bag_offsets = offsets[i * batch : (i + 1) * batch + 1] - lo
+            out = torch.nn.functional.embedding_bag(
+                features.values()[lo:hi],
+                state[f"{t.name}.weight"],
+                bag_offsets,
+                mode="sum",
+                per_sample_weights=None if weights is None else weights[lo:hi],
+                include_last_offset=True,
+            )
+            if t.pooling == "mean":
+                out = out / lengths[i].clamp(min=1).to(out.dtype)[:, None]
+            cols.append(out)
+            i += 1
+    return torch.cat(cols, dim=1)
+
+
 def test_sharded_step_has_one_host_sync() -> None:
     """A steady-state sharded step on one GPU (NCCL, world size 1: input dist, lookup, output dist,
-    backward) makes exactly one synchronizing CUDA call: the input dist's splits header."""
+    backward) makes exactly one synchronizing CUDA call, the input dist's splits header, and its output
+    equals a plain pooled lookup of the unsharded tables."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     with socket.socket() as s:
@@ -247,6 +277,8 @@ def test_sharded_step_has_one_host_sync() -> None:
             torch.autograd.backward(module(features).values().sum())
         torch.cuda.synchronize()
         for features in steps[2:]:
+            expected = _sharded_reference(module.state_dict(), tables, features)
+            torch.cuda.synchronize()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
@@ -257,5 +289,6 @@ def test_sharded_step_has_one_host_sync() -> None:
                     torch.cuda.set_sync_debug_mode("default")
             syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
             assert len(syncs) == 1, syncs
+            torch.testing.assert_close(out.detach(), expected, atol=1e-5, rtol=1e-5)
     finally:
         dist.destroy_process_group()
