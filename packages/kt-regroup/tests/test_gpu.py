@@ -246,15 +246,17 @@ def test_triton_fast_launch_matches_jit_launch(
 
     keys, lengths, groups = layout
     kts = make_kts(keys, lengths, batch, dtype, 1, device="cuda")
+    previous = _triton_impl.FAST_LAUNCH
     _triton_impl.FAST_LAUNCH = False
     try:
         by_jit = _triton_run(kts, groups)
-    finally:
         _triton_impl.FAST_LAUNCH = True
-    _triton_run(kts, groups)  # a variant's first launch goes through the JIT (and is kept)
-    before = _fast_launches()
-    fast = _triton_run(kts, groups)
-    after = _fast_launches()
+        _triton_run(kts, groups)  # a variant's first launch goes through the JIT (and is kept)
+        before = _fast_launches()
+        fast = _triton_run(kts, groups)
+        after = _fast_launches()
+    finally:
+        _triton_impl.FAST_LAUNCH = previous
     widths = {
         k: n
         for kt_keys, kt_lengths in zip(keys, lengths, strict=True)

@@ -260,11 +260,12 @@ def _through_jit(call: Callable[[], None]) -> Callable[[], None]:
     from kt_regroup import _triton_impl
 
     def run() -> None:
+        previous = _triton_impl.FAST_LAUNCH
         _triton_impl.FAST_LAUNCH = False
         try:
             call()
         finally:
-            _triton_impl.FAST_LAUNCH = True
+            _triton_impl.FAST_LAUNCH = previous
 
     return run
 
