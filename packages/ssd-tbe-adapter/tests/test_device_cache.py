@@ -20,7 +20,7 @@ from ssd_tbe_adapter import (
     StoreIOError,
     TableSpec,
 )
-from ssd_tbe_adapter._device_cache import DeviceCache
+from ssd_tbe_adapter._device_cache import DeviceCache, _unique_pairs
 from ssd_tbe_adapter._host_tier import HostTier, TierRows
 from ssd_tbe_adapter._init import init_rows, table_salt
 
@@ -550,6 +550,37 @@ def test_device_cache_lookup_and_victims() -> None:
         -1,
     ]
     assert lower.cached_rows == 1  # row 6 went down to the host tier
+
+
+@pytest.mark.parametrize("seed", range(4), ids=[f"seed{i}" for i in range(4)])
+def test_unique_pairs_padded_match_torch_unique(seed: int) -> None:
+    """The padded unique pass equals torch.unique over (table, id): pairs, lookups per pair, inverse, count."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 40, (1,), generator=gen))
+    tables = torch.randint(0, 3, (n,), generator=gen)
+    ids = ID_POOL[torch.randint(0, ID_POOL.numel(), (n,), generator=gen)]
+    u_tables, u_ids, counts, inverse, unique = _unique_pairs(tables, ids)
+    pairs, want_inverse, want_counts = torch.unique(
+        torch.stack([tables, ids], 1), dim=0, return_inverse=True, return_counts=True
+    )
+    u = int(unique)
+    assert u == pairs.shape[0]
+    assert torch.equal(torch.stack([u_tables[:u], u_ids[:u]], 1), pairs)
+    assert torch.equal(counts[:u], want_counts)
+    assert int(counts[u:].sum()) == 0
+    assert torch.equal(inverse, want_inverse)
+
+
+def test_device_cache_counts_every_lookup_of_a_hit() -> None:
+    """A cached row's use count grows by its lookups in each batch (duplicates included); a row moved in starts
+    at 1."""
+    cache = DeviceCache([4], [4], torch.device("cpu"), _NullTier(), round_fp16=False)
+    tables = torch.zeros(6, dtype=torch.int64)
+    slots = cache.assign(tables[:2], torch.tensor([5, 6]), tick=1, protect=1).slots
+    assert cache.uses[slots].tolist() == [1, 1]
+    again = cache.assign(tables, torch.tensor([5, 5, 5, 6, 9, 9]), tick=2, protect=2).slots
+    assert cache.uses[again[[0, 3, 4]]].tolist() == [4, 2, 1]
+    assert cache.stamp[again].tolist() == [2] * 6
 
 
 def test_host_tier_matches_a_model_over_takes_gives_and_evictions() -> None:
