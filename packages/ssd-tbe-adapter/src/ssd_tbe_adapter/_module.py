@@ -81,7 +81,7 @@ class KeyValueEmbeddingBags(nn.Module):
         cache_on_device: manage the cache on ``device`` (id -> slot index, victims and row moves as batched
             device work, pooled lookup and optimizer over the cache rows; see ``_device_path``); ``None``
             (default) means on CUDA only. ``True`` on the CPU runs the same code there.
-        host_cache_rows: rows of a host-DRAM tier (pinned on CUDA) between the device cache and the store,
+        host_cache_rows: rows of a host-DRAM tier (host memory) between the device cache and the store,
             ``>= 0`` (device cache only).
     """
 
