@@ -313,6 +313,9 @@ class KTRegroupAsDict(nn.Module):
         self._last_layout = None
 
     def _build(self, key: tuple[object, ...], layout: InputLayout) -> _CachedPlan:
+        # Stored under the plain tuple: dynamo cannot hash a dict key whose class overrides __hash__ (a
+        # _LayoutKey still finds it: equal, and hashed alike).
+        key = tuple(key)
         plan = _plan_for(layout, self._groups, self._backend)
         names = []
         slot = len(self._plans)
