@@ -4,6 +4,10 @@ Every collective is issued with ``async_op=True`` and waited with the module's t
 departed peer surfaces as :class:`CollectiveTimeoutError` (or :class:`PeerRankError` when the transport
 reports the peer gone) instead of a hang. gloo's list ``all_to_all`` needs equal sizes, so everything goes
 through ``all_to_all_single`` with split lists.
+
+A group of one rank issues no collective at all: its own block is the whole exchange, so an all-to-all is the
+identity (its backward too), a gather is the rank's own value and a sum all-reduce leaves the tensor as it
+is. On one GPU that removes every NCCL launch, wait and autograd node of the input and output dists.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class Communicator:
         # Backward collectives of graphs freed before their backward ran (see `catch_up_skipped_backward`).
         self._skipped: list[_BackwardCollective] = []
         self._order = itertools.count()
+        self._alone = self.world_size == 1  # a group of one: no collective is ever issued
 
     # -- waiting -----------------------------------------------------------------------------------
     def wait(self, work: Any, what: str) -> None:
@@ -97,6 +102,8 @@ class Communicator:
     # -- all-to-all --------------------------------------------------------------------------------
     def start_all_to_all(self, x: Tensor, out_splits: list[int], in_splits: list[int]) -> tuple[Tensor, Any]:
         """Launch ``all_to_all_single`` of ``x`` (split along dim 0); returns ``(output, work)``."""
+        if self._alone:
+            return x.contiguous(), _DONE
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         work = dist.all_to_all_single(
             out, x.contiguous(), out_splits, in_splits, group=self.group, async_op=True
@@ -123,6 +130,11 @@ class Communicator:
         when ``x`` does not (a rank that holds no tables), so that all ranks run the backward collective
         together; pass it whenever grad mode is on.
         """
+        if self._alone:  # its own block is everything; the gradient flows back to it unchanged
+            if anchor is not None and not x.requires_grad:
+                # Still part of the graph, as on any rank (an empty batch).
+                return x + anchor.sum().to(x.dtype)
+            return x
         if anchor is None and not x.requires_grad:
             return self.all_to_all(x, out_splits, in_splits, what)
         inputs = (x, anchor if anchor is not None else x.new_empty(0))
@@ -157,6 +169,8 @@ class Communicator:
     # -- small exchanges ---------------------------------------------------------------------------
     def all_gather_int64(self, values: list[int], what: str) -> list[list[int]]:
         """All-gather a short int64 vector of equal length from every rank (host lists)."""
+        if self._alone:
+            return [[int(v) for v in values]]
         x = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = [torch.empty_like(x) for _ in range(self.world_size)]
         work = dist.all_gather(out, x, group=self.group, async_op=True)
@@ -167,6 +181,8 @@ class Communicator:
     def gather_messages(self, message: str, what: str) -> list[str]:
         """All-gather one UTF-8 message per rank (truncated to 1 KiB); every rank must call it."""
         raw = message.encode("utf-8")[: _MESSAGE_BYTES - 1]
+        if self._alone:
+            return [_decode_message(raw)]
         buf = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
         if raw:
             buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -174,16 +190,31 @@ class Communicator:
         out = [torch.empty_like(buf) for _ in range(self.world_size)]
         work = dist.all_gather(out, buf, group=self.group, async_op=True)
         self.wait(work, what)
-        texts = []
-        for t in out:
-            data = bytes(t.cpu().tolist())
-            texts.append(data.split(b"\0", 1)[0].decode("utf-8", errors="replace"))
-        return texts
+        return [_decode_message(bytes(t.cpu().tolist())) for t in out]
 
     def all_reduce_sum_(self, x: Tensor, what: str) -> None:
         """In-place sum all-reduce of ``x`` over the group."""
+        if self._alone:
+            return
         work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.wait(work, what)
+
+
+class _Done:
+    """The work handle of a collective a group of one never issues: already complete."""
+
+    __slots__ = ()
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
+def _decode_message(data: bytes) -> str:
+    """A gathered message: the UTF-8 text before the first NUL (the padding)."""
+    return data.split(b"\0", 1)[0].decode("utf-8", errors="replace")
 
 
 class _AllToAll(torch.autograd.Function):

@@ -239,6 +239,9 @@ class _ShardedModule(nn.Module):
                 else torch.device("cpu")
             )
         device = torch.device(device)
+        if device == torch.device("cuda"):
+            # "cuda" means the current device; its tensors report "cuda:<index>", which the input checks compare.
+            device = torch.device("cuda", torch.cuda.current_device())
         self._comm = Communicator(process_group, timeout, device)
         comm = self._comm
 
