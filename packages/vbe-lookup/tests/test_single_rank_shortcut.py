@@ -66,6 +66,12 @@ class _CountCollectives:
         return counted
 
 
+def _rotated(seed: int, batch: int, weighted: bool, rotation: int) -> Any:
+    """A local batch whose keys are the features rotated by ``rotation`` (``make_batches`` rotates the
+    keys of rank ``r`` by ``r``)."""
+    return make_batches(seed, [batch] * (rotation + 1), weighted)[rotation]
+
+
 def _plan(row_wise: bool) -> ShardingPlan:
     placements = {t.name: RowWise(group="g") if row_wise else TableWise(rank=0, group=t.name) for t in TABLES}
     return ShardingPlan(world_size=1, placements=placements)
@@ -89,15 +95,17 @@ def _pair(module_type: type, row_wise: bool, seed: int) -> tuple[Any, Any]:
     batches=st.lists(st.integers(0, 6), min_size=1, max_size=3),
     weighted=st.booleans(),
     row_wise=st.booleans(),
+    rotation=st.integers(0, len(FEATURES) - 1),
 )
 def test_pooled_shortcut_equals_collective_path(
-    one_rank: None, seed: int, batches: list[int], weighted: bool, row_wise: bool
+    one_rank: None, seed: int, batches: list[int], weighted: bool, row_wise: bool, rotation: int
 ) -> None:
-    """Pooled outputs and the tables after each SGD step are equal on both paths."""
+    """Pooled outputs and the tables after each SGD step are equal on both paths (keys in slot order or
+    rotated, which the shortcut gathers into slot order)."""
     del one_rank
     fast, full = _pair(ShardedEmbeddingBags, row_wise, seed)
     for step, batch in enumerate(batches):
-        local = make_batches(seed + step, [batch], weighted)[0]
+        local = _rotated(seed + step, batch, weighted, rotation)
         outs = [module(local.features(torch.device("cpu"))).values() for module in (fast, full)]
         torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
         grad = _dist_workers.grad_seed(seed + step, batch)
@@ -108,14 +116,19 @@ def test_pooled_shortcut_equals_collective_path(
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**16), batch=st.integers(0, 6), row_wise=st.booleans())
+@given(
+    seed=st.integers(0, 2**16),
+    batch=st.integers(0, 6),
+    row_wise=st.booleans(),
+    rotation=st.integers(0, len(FEATURES) - 1),
+)
 def test_sequence_shortcut_equals_collective_path(
-    one_rank: None, seed: int, batch: int, row_wise: bool
+    one_rank: None, seed: int, batch: int, row_wise: bool, rotation: int
 ) -> None:
     """Sequence embeddings and lengths are equal on both paths."""
     del one_rank
     fast, full = _pair(ShardedSequenceEmbeddings, row_wise, seed)
-    local = make_batches(seed, [batch], False)[0]
+    local = _rotated(seed, batch, False, rotation)
     got = [module(local.features(torch.device("cpu"))) for module in (fast, full)]
     for f in FEATURES:
         torch.testing.assert_close(got[0][f], got[1][f], rtol=0, atol=0)

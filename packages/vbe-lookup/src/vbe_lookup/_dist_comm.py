@@ -79,6 +79,11 @@ class Communicator:
         self._order = itertools.count()
         self._alone = self.world_size == 1  # a group of one: no collective is ever issued
 
+    @property
+    def alone(self) -> bool:
+        """A group of one rank: no collective is issued (its callers may skip the exchange's bookkeeping)."""
+        return self._alone
+
     # -- waiting -----------------------------------------------------------------------------------
     def wait(self, work: Any, what: str) -> None:
         """Wait for ``work`` at most ``timeout``; turn a timeout or a lost peer into our errors."""

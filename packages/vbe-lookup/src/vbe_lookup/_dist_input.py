@@ -214,6 +214,8 @@ class InputDist:
         self._key_cache: dict[tuple[str, ...], Tensor] = {}
         self._recv_len_cache: dict[tuple[int, ...], Tensor] = {}
         self._stride_cache: dict[tuple[int, ...], list[list[int]]] = {}
+        self._alone_cache: dict[tuple[str, ...], tuple[Tensor, Tensor | None]] = {}
+        self._alone_positions: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._step = 0  # input dists started; every rank sends it in the header and checks the others'
 
     # -- phase 1 ---------------------------------------------------------------------------------
@@ -244,6 +246,8 @@ class InputDist:
             self._raise_errors([row[0] for row in rows], str(local_error), local_error)
             raise AssertionError("unreachable")  # _raise_errors always raises when status is bad
 
+        if self.comm.alone:
+            return self._start_alone(step, keys, values, lengths, weights, batch)
         n = values.numel()
         num_in = len(keys)
         bags = num_in * batch
@@ -309,20 +313,7 @@ class InputDist:
         self._check_steps(step, [row[_STEP] for row in theirs], [row[_SKIPPED] for row in theirs])
         statuses = [row[0] for row in theirs]
         if any(statuses):
-            message = ""
-            if statuses[self.rank] == _BAD_IDS:
-                message = self._describe_bad_ids(keys, values, lengths, batch, key_index)
-            elif statuses[self.rank] == _BAD_LENGTHS:
-                message = (
-                    f"`lengths` of the local batch sum to {int(lengths.sum())} (min {int(lengths.min()) if bags else 0}) "
-                    f"but `values` holds {n} ids; expected non-negative lengths summing to the number of ids"
-                )
-            error: VBELookupError | None = None
-            if statuses[self.rank] == _BAD_IDS:
-                error = IndexOutOfRangeError(message)
-            elif statuses[self.rank] == _BAD_LENGTHS:
-                error = BatchLayoutError(message)
-            self._raise_errors(statuses, message, error)
+            self._report_bad_input(statuses, keys, values, lengths, batch, key_index)
 
         sent = tuple(
             tuple(row[_HEADER_FIXED : _HEADER_FIXED + self.slot_counts[d]]) for d, row in enumerate(mine)
@@ -403,6 +394,22 @@ class InputDist:
             comm.wait(weights_work, "input dist weights")
 
         num_slots = self.slot_counts[self.rank]
+        if self.comm.alone:  # already feature → sample (its own ids, one source): nothing to transpose
+            features = VBEFeatures(
+                self.my_keys,
+                values_out,
+                handle.lengths_out,
+                self._stride(handle.batch_size_per_rank, num_slots),
+                recv_weights,
+                length_per_key=handle.ids_per_slot,
+            )
+            return DistributedFeatures(
+                features=features,
+                ids_per_slot_per_rank=tuple(zip(*handle.received, strict=True)),
+                batch_size_per_rank=handle.batch_size_per_rank,
+                weights_need_grad=handle.weights_need_grad,
+                source=handle.source,
+            )
         lengths = handle.lengths_out[self._recv_len_index(handle.batch_size_per_rank, handle.received_batch)]
         # ids arrive source → slot; VBE wants slot → source: one jagged permutation of segments, built on
         # the device from the received header (no host lists, no host-to-device copy).
@@ -425,6 +432,136 @@ class InputDist:
             weights_need_grad=handle.weights_need_grad,
             source=handle.source,
         )
+
+    def _start_alone(
+        self,
+        step: int,
+        keys: tuple[str, ...],
+        values: Tensor,
+        lengths: Tensor,
+        weights: Tensor | None,
+        batch: int,
+    ) -> InputDistHandle:
+        """``start`` on a group of one: every id stays here, in its own shard (row 0 on), so there is
+        nothing to bucketize. The same checks and status codes as the header, one host read of them and
+        of the ids per key, then (for an input key order other than the slot order) one gather that puts
+        the features in slot order. The order inside a bag is kept, as the stable sort does."""
+        dev = self.comm.device
+        n = values.numel()
+        num_in = len(keys)
+        bags = num_in * batch
+        key_index = self._key_index(keys)
+        rows, order = self._alone_layout(keys)
+        per_key = (
+            lengths.view(num_in, batch).sum(1)
+            if batch
+            else torch.zeros(num_in, dtype=torch.int64, device=dev)
+        )
+        if n:
+            ends = torch.cumsum(lengths, 0)
+            bag = torch.searchsorted(ends, torch.arange(n, device=dev), right=True).clamp_(
+                max=max(bags - 1, 0)
+            )
+            kpos = torch.div(bag, max(batch, 1), rounding_mode="floor")
+            bad_ids = ((values < 0) | (values >= rows[kpos])).any()
+            bad_lengths = (ends[-1] != n) if bags else torch.ones((), dtype=torch.bool, device=dev)
+        else:
+            bad_ids = torch.zeros((), dtype=torch.bool, device=dev)
+            bad_lengths = per_key.sum() != 0
+        bad_lengths = bad_lengths | (lengths < 0).any()
+        status = (
+            bad_lengths.to(torch.int64) * _BAD_LENGTHS + (bad_ids & ~bad_lengths).to(torch.int64) * _BAD_IDS
+        )
+        # The only host sync of the step: the status and the ids of every input key.
+        flat = torch.cat([status.view(1), per_key]).tolist()
+        if flat[0]:
+            self._report_bad_input([flat[0]], keys, values, lengths, batch, key_index)
+        ids_per_key = flat[1:]
+
+        slot_keys = self._alone_slot_keys(keys)  # input position of each slot's key
+        ids_per_slot = tuple(ids_per_key[i] for i in slot_keys)
+        counts = per_key if order is None else per_key[order]  # [S] ids per slot (device)
+        if order is None:  # the input is in slot order already
+            send_values, send_lengths, send_weights = values, lengths, weights
+            inverse_perm = torch.arange(n, device=dev)
+        else:
+            src_start = (torch.cumsum(per_key, 0) - per_key)[order]
+            dst_start = torch.cumsum(counts, 0) - counts
+            gather = torch.repeat_interleave(src_start - dst_start, counts, output_size=n)
+            gather += torch.arange(n, device=dev)
+            send_values = values[gather]
+            send_weights = None if weights is None else weights[gather]
+            send_lengths = lengths.view(num_in, batch)[order].reshape(-1) if batch else lengths
+            inverse_perm = torch.empty_like(gather)
+            inverse_perm[gather] = torch.arange(n, device=dev)
+        sorted_segment = torch.repeat_interleave(
+            torch.arange(len(slot_keys), device=dev), counts, output_size=n
+        )
+        sent_counts = torch.zeros(self.s_max, dtype=torch.int64, device=dev)
+        sent_counts[: len(slot_keys)] = counts
+        ids_per_feature = [0] * len(self.layout.features)
+        for i, k in enumerate(keys):
+            ids_per_feature[self.feature_index[k]] = ids_per_key[i]
+        if send_weights is not None:
+            send_weights = send_weights.to(torch.float32)
+        need_grad = weights is not None and weights.requires_grad and torch.is_grad_enabled()
+        source = SourceContext(
+            batch_size=batch,
+            keys=keys,
+            key_index=key_index,
+            lengths=lengths,
+            inverse_perm=inverse_perm,
+            sorted_segment=sorted_segment,
+            sent=(ids_per_slot,),
+            ids_per_feature=tuple(ids_per_feature),
+            sent_counts=sent_counts,
+        )
+        del step  # every rank is at the same step: there is no other rank
+        lengths_out, lengths_work = self.comm.start_all_to_all(send_lengths, [send_lengths.numel()], [bags])
+        return InputDistHandle(
+            lengths_out=lengths_out,
+            lengths_work=lengths_work,
+            send_values=send_values,
+            send_weights=send_weights,
+            weights_present=weights is not None,
+            weights_need_grad=need_grad,
+            sent_per_rank=[n],
+            received_per_rank=[n],
+            received=(ids_per_slot,),
+            received_counts=counts.view(1, -1),
+            received_batch=counts.new_full((1,), batch),
+            ids_per_slot=ids_per_slot,
+            batch_size_per_rank=(batch,),
+            source=source,
+        )
+
+    def _alone_layout(self, keys: tuple[str, ...]) -> tuple[Tensor, Tensor | None]:
+        """Per input key order (cached): rows of each key's table (device) and the gather of input keys
+        into slot order (device), ``None`` when the input is already in slot order."""
+        cached = self._alone_cache.get(keys)
+        if cached is None:
+            if len(self._alone_cache) >= _MAX_CACHE:
+                self._alone_cache.clear()
+            rows = [
+                self.layout.tables[self.layout.feature_table[self.feature_index[k]]].num_embeddings
+                for k in keys
+            ]
+            slot_keys = self._alone_slot_keys(keys)
+            identity = list(slot_keys) == list(range(len(keys)))
+            dev = self.comm.device
+            order = None if identity else torch.tensor(slot_keys, dtype=torch.int64).to(dev)
+            cached = (torch.tensor(rows, dtype=torch.int64).to(dev), order)
+            self._alone_cache[keys] = cached
+        return cached
+
+    def _alone_slot_keys(self, keys: tuple[str, ...]) -> tuple[int, ...]:
+        """Input position of the key of every slot of this (only) rank."""
+        position = self._alone_positions.get(keys)
+        if position is None:
+            where = {k: i for i, k in enumerate(keys)}
+            position = tuple(where[k] for k in self.my_keys)
+            self._alone_positions[keys] = position
+        return position
 
     # -- helpers ---------------------------------------------------------------------------------
     def _check(self, features: Any) -> tuple[tuple[str, ...], Tensor, Tensor, Tensor | None, int]:
@@ -587,6 +724,30 @@ class InputDist:
             if self.rank in culprits:
                 raise CollectiveOrderError(f"rank {self.rank}: {what}")
             raise PeerRankError(f"rank {self.rank}: {what}")
+
+    def _report_bad_input(
+        self,
+        statuses: list[int],
+        keys: tuple[str, ...],
+        values: Tensor,
+        lengths: Tensor,
+        batch: int,
+        key_index: Tensor,
+    ) -> None:
+        """Some rank's status is bad: describe this rank's problem (host syncs are fine here) and raise."""
+        message = ""
+        error: VBELookupError | None = None
+        if statuses[self.rank] == _BAD_IDS:
+            message = self._describe_bad_ids(keys, values, lengths, batch, key_index)
+            error = IndexOutOfRangeError(message)
+        elif statuses[self.rank] == _BAD_LENGTHS:
+            low = int(lengths.min()) if lengths.numel() else 0
+            message = (
+                f"`lengths` of the local batch sum to {int(lengths.sum())} (min {low}) but `values` holds "
+                f"{values.numel()} ids; expected non-negative lengths summing to the number of ids"
+            )
+            error = BatchLayoutError(message)
+        self._raise_errors(statuses, message, error)
 
     def _raise_errors(self, statuses: list[int], message: str, own: VBELookupError | None) -> None:
         """Every rank calls this when some status is bad: gather the messages and raise everywhere."""
