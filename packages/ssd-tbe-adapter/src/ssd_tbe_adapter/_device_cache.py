@@ -26,7 +26,7 @@ lookups, so no shape depends on data until then.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,12 +96,12 @@ def _unique_pairs(
     first[1:] = (sorted_tables[1:] != sorted_tables[:-1]) | (sorted_ids[1:] != sorted_ids[:-1])
     rank = torch.cumsum(first, 0) - 1
     inverse = torch.empty_like(order).index_copy_(0, order, rank)
-    # starts[k]: sorted position of pair k's first lookup, n past the last pair (non-first lookups write to
-    # the dummy entry n, reset after).
-    starts = torch.full((n + 1,), n, dtype=torch.int64, device=ids.device)
-    starts.index_copy_(0, torch.where(first, rank, n), torch.arange(n, device=ids.device))
-    starts[n] = n
-    counts = starts[1:] - starts[:-1]
+    # starts[k]: sorted position of pair k's first lookup, n past the last pair; non-first lookups write to
+    # the dummy entry n + 1 (never read). No element assignment: `t[i] = x` on CUDA is a synchronous
+    # host-to-device copy.
+    starts = torch.full((n + 2,), n, dtype=torch.int64, device=ids.device)
+    starts.index_copy_(0, torch.where(first, rank, n + 1), torch.arange(n, device=ids.device))
+    counts = starts[1 : n + 1] - starts[:n]
     head = starts[:n].clamp(max=n - 1)
     return (
         sorted_tables.index_select(0, head),
@@ -206,7 +206,8 @@ class DeviceCache:
                 if device.type == "cuda":
                     # The old buffer may still be read by kernels queued on another stream.
                     current.record_stream(torch.cuda.current_stream(device))
-        valid[slots] = False
+        # The trash slot (index `slots`) stays invalid: `valid` starts zeroed and only `[:n]` is copied (no
+        # `valid[slots] = False`: an element assignment is a synchronous host-to-device copy on CUDA).
         self.weights, self.state, self.slot_ids, self.slot_tables = weights, state, slot_ids, slot_tables
         self.valid, self.dirty, self.stamp, self.uses = valid, dirty, stamp, uses
         self._rebuild_index()
@@ -234,19 +235,35 @@ class DeviceCache:
         )
         return torch.where(hit, slots, -1)
 
-    def assign(self, tables: torch.Tensor, ids: torch.Tensor, tick: int, protect: int) -> Assignment:
+    def assign(
+        self,
+        tables: torch.Tensor,
+        ids: torch.Tensor,
+        tick: int,
+        protect: int,
+        *,
+        checks: torch.Tensor | None = None,
+        verify: Callable[[list[int]], None] | None = None,
+    ) -> Assignment:
         """Slots for every lookup ``(tables[i], ids[i])`` (``[N]`` int64, device): hits are touched at ``tick``,
         unique misses are read from the tier below into free or evicted slots (victims: the least used, then
         least recently used, slots last touched before ``protect``; the table's own slots first, then the
         scratch pool, grown if needed); evicted rows go down.
 
-        Host syncs: one read of four counts (unique rows, misses, scratch overflow, free scratch slots); with
-        misses, one wait for the missing keys and the victims' rows (one device-to-host copy into reused pinned
-        buffers). The rows read from below go up in one host-to-device copy that nothing waits for.
+        ``checks`` (``[K]`` int64 on the device, e.g. the caller's input checks) is read in the same copy as the
+        counts and handed to ``verify`` before anything changes here: ``verify`` may raise (bad input), and then
+        no slot, row, stamp or use count moved.
+
+        Host syncs: one read of four counts (unique rows, misses, scratch overflow, free scratch slots) plus
+        ``checks``; with misses, one wait for the missing keys and the victims' rows (one device-to-host copy
+        into reused pinned buffers). The rows read from below go up in one host-to-device copy that nothing
+        waits for.
         """
         self.metrics.assigns += 1
         n = ids.numel()
         if n == 0:
+            if checks is not None and verify is not None:
+                verify([int(c) for c in checks.tolist()])  # host sync: only for an empty batch with checks
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return Assignment(slots=empty, unique_slots=empty, inverse=empty, inserted=0)
         u_tables, u_ids, counts, inverse, unique = _unique_pairs(tables, ids)
@@ -254,15 +271,20 @@ class DeviceCache:
         slots = self.lookup(u_tables, u_ids)
         hit = slots >= 0
         miss = ~hit & real
+        # Up to the read below nothing changes here (``verify`` may still refuse the batch): the hits are
+        # protected from the victim choice by a mask, and stamped and counted only after the read.
+        touched = torch.where(hit & real, slots, self.trash)  # unique slots; the trash slot takes the rest
+        held = torch.zeros_like(self.valid).index_fill_(0, touched, True)
+        chosen, overflowing, scratch_free = self._choose(u_tables, miss, protect, held)
+        scalars = [unique, miss.sum(), overflowing.sum(), scratch_free]
+        read = torch.cat([torch.stack(scalars), checks]) if checks is not None else torch.stack(scalars)
+        values = [int(c) for c in read.tolist()]  # host sync: the only one before the rows move
+        u, m, overflow, free = values[:4]
+        if verify is not None:
+            verify(values[4:])
         # Hits: stamped and counted (unique slots: a plain copy, the trash slot takes the rest).
-        touched = torch.where(hit & real, slots, self.trash)
         self.stamp.index_fill_(0, touched, tick)
         self.uses.index_copy_(0, touched, self.uses.index_select(0, touched) + counts)
-        chosen, overflowing, scratch_free = self._choose(u_tables, miss, protect)
-        counts_host = torch.stack(
-            [unique, miss.sum(), overflowing.sum(), scratch_free]
-        ).tolist()  # host sync: the only one before the rows move
-        u, m, overflow, free = (int(c) for c in counts_host)
         if m:
             self.metrics.assigns_with_misses += 1
             if overflow:
@@ -285,19 +307,25 @@ class DeviceCache:
             inserted=m,
         )
 
-    def _priorities(self, start: int, stop: int, protect: int) -> torch.Tensor:
+    def _priorities(
+        self, start: int, stop: int, protect: int, held: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Victim priority of slots ``[start, stop)`` (lowest first): -1 free, else (uses, last-use tick) as one
-        int64, ``_NEVER`` if protected (used at or after ``protect``)."""
+        int64, ``_NEVER`` if protected (used at or after ``protect``, or marked in ``held``, ``[S + 1]`` bool)."""
         stamp = self.stamp[start:stop]
         key = (self.uses[start:stop].clamp(max=_MAX_USES) << _TICK_BITS) + stamp
+        protected = stamp >= protect
+        if held is not None:
+            protected = protected | held[start:stop]
         return torch.where(
-            stamp >= protect, _NEVER, torch.where(self.valid[start:stop], key, torch.full_like(stamp, -1))
+            protected, _NEVER, torch.where(self.valid[start:stop], key, torch.full_like(stamp, -1))
         )
 
     def _choose(
-        self, tables: torch.Tensor, miss: torch.Tensor, protect: int
+        self, tables: torch.Tensor, miss: torch.Tensor, protect: int, held: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Slots in the tables' own regions for the missing pairs (``miss``; ``tables`` ascending), no sync.
+        """Slots in the tables' own regions for the missing pairs (``miss``; ``tables`` ascending), no sync;
+        slots marked in ``held`` (the batch's hits, not stamped yet) are protected too.
 
         Returns:
             ``chosen`` (``[N]``, -1 where none), the misses left for the scratch pool, and the number of
@@ -313,7 +341,7 @@ class DeviceCache:
         misses_per_table = misses_before[1:] - misses_before[:-1]
         region = self.region_size
         if region:
-            priority = self._priorities(0, region, protect)
+            priority = self._priorities(0, region, protect, held)
             order = torch.argsort(priority, stable=True)  # then region by region, keeping that order
             order = order.index_select(
                 0, torch.argsort(self.region_of_slot.index_select(0, order), stable=True)
@@ -329,7 +357,7 @@ class DeviceCache:
         in_region = miss & (rank < take.index_select(0, tables))
         region_position = (self.bases_device.index_select(0, tables) + rank).clamp_(0, max(region - 1, 0))
         chosen = torch.where(in_region, order.index_select(0, region_position), -1)
-        scratch_free = (self._priorities(region, self.slots, protect) < _NEVER).sum()
+        scratch_free = (self._priorities(region, self.slots, protect, held) < _NEVER).sum()
         return chosen, miss & ~in_region, scratch_free
 
     def _overflow(
@@ -406,7 +434,7 @@ class DeviceCache:
                     dirty=torch.from_numpy((host_flags[picked] & 2).astype(np.bool_)),
                 )
                 self.lower.give(victims)
-                self.metrics.written_back_rows += int(victims.dirty.sum())
+                self.metrics.written_back_rows += int(np.count_nonzero(host_flags[picked] == 3))
             self.metrics.evicted_rows += evicted
             self._evicted_since_aging += evicted
             if self._evicted_since_aging >= self.aging_turnovers * max(self.slots, 1):
@@ -422,7 +450,7 @@ class DeviceCache:
         up[:, :dmax] = fetched.weights
         up[:, dmax] = fetched.state
         up[:, dmax + 1] = fetched.dirty
-        moved = up.to(device, non_blocking=cuda)
+        moved = up.to(device, non_blocking=True) if cuda else up
         if cuda:
             self._up_event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
             self._up_event.record(torch.cuda.current_stream(device))

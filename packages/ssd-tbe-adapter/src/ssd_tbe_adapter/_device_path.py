@@ -1,10 +1,12 @@
 """The device-cache path of :class:`~ssd_tbe_adapter.KeyValueEmbeddingBags`: one direction of flow per batch.
 
-1. **Plan** (host, no sync when prefetched): :func:`~ssd_tbe_adapter._plan.plan_batch` checks the inputs and
-   lays out the output; the table of each lookup is derived on the device from ``offsets``.
+1. **Plan** (host, no sync): :func:`~ssd_tbe_adapter._plan.plan_batch` checks the inputs' types, shapes and
+   batch sizes and lays out the output; the values of ``offsets`` are checked on the device (step 2); the
+   table of each lookup is derived on the device from ``offsets``.
 2. **Ask the tiers for slots** (prefetch, or forward without one): :meth:`DeviceCache.assign` maps every
    lookup to a cache slot, moving missing rows up from the host tier / store and evicted rows down. This is
-   the only step that syncs with the host, and the only device <-> host traffic (missing ids, rows).
+   the only step that syncs with the host (the ``offsets`` checks ride on its one read of counts, and bad
+   ``offsets`` raise before anything moved), and the only device <-> host traffic (missing ids, rows).
 3. **Pool and update over the slots** (forward / backward, no host sync): one ``embedding_bag`` over the
    cache buffer as a table (all tables side by side, padded to the widest), written out with the module's
    output layout (:mod:`~ssd_tbe_adapter._layout`: VBE and ``vbe_output`` as before); backward sums each
@@ -32,8 +34,9 @@ from ssd_tbe_adapter._device_cache import DeviceCache
 from ssd_tbe_adapter._host_tier import HostTier, RowTier, StoreTier
 from ssd_tbe_adapter._layout import allocate_output, bag_grads, chained_input_grad, place_pooled
 from ssd_tbe_adapter._optimizer import RowOptimizer
-from ssd_tbe_adapter._plan import Plan, plan_batch
+from ssd_tbe_adapter._plan import Plan, check_offset_values, plan_batch
 from ssd_tbe_adapter._tier import CacheTier
+from ssd_tbe_adapter.errors import InvalidArgumentError
 
 __all__ = ["DevicePath"]
 
@@ -48,7 +51,6 @@ class _Batch:
 
     indices: torch.Tensor  # the caller's tensor (see _same_batch for which forward reuses the prefetch)
     offsets: torch.Tensor
-    host_offsets: torch.Tensor  # [bags + 1] int64 host: offsets as checked by the plan
     slots: torch.Tensor  # [N] int64: cache slot of each lookup
     unique_slots: torch.Tensor  # [U] int64 distinct: the batch's rows
     inverse: torch.Tensor  # [N] int64: position of each lookup's slot in unique_slots
@@ -64,7 +66,6 @@ class _Failed:
 
     indices: torch.Tensor
     offsets: torch.Tensor
-    host_offsets: torch.Tensor
     num_bags: list[int]
     version: int
     error: Exception
@@ -119,23 +120,24 @@ class DevicePath:
     def prefetch(
         self, indices: torch.Tensor, offsets: torch.Tensor, batch_sizes: list[list[int]] | None
     ) -> None:
-        """Map a future batch to slots now (rows move in on the current stream); a store error is kept and
-        raised by the forward of that batch or by :meth:`wait`, once."""
-        plan, _ = self._plan(indices, offsets, None, batch_sizes, None, None, None)
-        self.counters["prefetches"] += 1
+        """Map a future batch to slots now (rows move in on the current stream); bad input raises here, a store
+        error is kept and raised by the forward of that batch or by :meth:`wait`, once."""
+        plan, _ = self._plan(indices, offsets, None, batch_sizes, None, None)
+        item: _Batch | _Failed
         try:
-            self._pending.append(self._assign(plan, indices, offsets, "prefetched_rows"))
+            item = self._assign(plan, indices, offsets, "prefetched_rows")
+        except InvalidArgumentError:  # bad `offsets` (checked on the device): nothing changed, nothing queued
+            raise
         except Exception as error:  # no tier changed (see DeviceCache._move_in): nothing to undo
-            self._pending.append(
-                _Failed(
-                    indices=indices,
-                    offsets=offsets,
-                    host_offsets=plan.offsets,
-                    num_bags=plan.num_bags,
-                    version=indices._version,
-                    error=error,
-                )
+            item = _Failed(
+                indices=indices,
+                offsets=offsets,
+                num_bags=plan.num_bags,
+                version=indices._version,
+                error=error,
             )
+        self.counters["prefetches"] += 1
+        self._pending.append(item)
         while len(self._pending) > _MAX_PENDING:  # prefetches no forward came for
             self._retire(self._pending.popleft())
 
@@ -184,15 +186,10 @@ class DevicePath:
         Uses the first pending prefetch of this batch (earlier ones are retired: their batches never came);
         without one the queue stays as it is and the batch gets its slots here (host syncs)."""
         match = self._find(indices, offsets, batch_sizes)
-        # The plan before the queue changes (bad input raises first); with a prefetch, its host offsets.
+        # The plan before the queue changes (bad input raises first). The values of `offsets` were checked by
+        # the prefetch, or are checked by the assignment below.
         plan, _ = self._plan(
-            indices,
-            offsets,
-            per_sample_weights,
-            batch_sizes,
-            vbe_output,
-            vbe_output_offsets,
-            self._pending[match].host_offsets if match is not None else None,
+            indices, offsets, per_sample_weights, batch_sizes, vbe_output, vbe_output_offsets
         )
         pending: _Batch | _Failed | None = None
         if match is not None:
@@ -287,7 +284,6 @@ class DevicePath:
         batch_sizes: list[list[int]] | None,
         vbe_output: torch.Tensor | None,
         vbe_output_offsets: torch.Tensor | None,
-        host_offsets: torch.Tensor | None,
     ) -> tuple[Plan, torch.Tensor]:
         return plan_batch(
             indices,
@@ -300,33 +296,55 @@ class DevicePath:
             dims=self._dims,
             device=self._device,
             host_indices=False,
-            host_offsets=host_offsets,
+            check_offsets=False,
         )
 
     def _table_of_bags(self, plan: Plan) -> torch.Tensor:
-        """``[bags]`` int64 on the device: each bag's table (cached per layout)."""
+        """``[bags]`` int64 on the device: each bag's table (cached per layout; VBE layouts change per batch).
+
+        Built on the host and copied up without a sync: a pageable or blocking host-to-device copy syncs, so
+        on CUDA it goes through pinned memory (the caching host allocator keeps the block until the copy
+        is done) with ``non_blocking``."""
         key = tuple(plan.num_bags)
         cached = self._tables_of_bags.get(key)
         if cached is None:
             if len(self._tables_of_bags) >= 64:
                 self._tables_of_bags.clear()
-            cached = torch.repeat_interleave(
-                torch.tensor(self._ftm, dtype=torch.int64), torch.tensor(plan.num_bags, dtype=torch.int64)
-            ).to(self._device)
+            host = torch.repeat_interleave(
+                torch.tensor(self._ftm, dtype=torch.int64),
+                torch.tensor(plan.num_bags, dtype=torch.int64),
+                output_size=sum(plan.num_bags),
+            )
+            cached = host.pin_memory().to(self._device, non_blocking=True) if self._cuda else host
             self._tables_of_bags[key] = cached
         return cached
 
     def _assign(self, plan: Plan, indices: torch.Tensor, offsets: torch.Tensor, moved: str) -> _Batch:
-        """Step 2: slots for every lookup of the batch (rows moved in on the current stream)."""
+        """Step 2: slots for every lookup of the batch (rows moved in on the current stream).
+
+        The values of ``offsets`` are checked on the device and read with the assignment's counts; bad ones
+        raise :class:`InvalidArgumentError` before anything moved. Until then every kernel is safe whatever
+        ``offsets`` holds (bags by ``searchsorted``, clamped)."""
         self._wait_main()
-        bag_of_lookup = _bag_of_lookup(offsets, indices.numel())
+        lookups = indices.numel()
+        bag_of_lookup = _bag_of_lookup(offsets, lookups)
         tables = self._table_of_bags(plan).index_select(0, bag_of_lookup)
+        wide = offsets.to(torch.int64)
+        checks = torch.stack(
+            [wide[0], wide[-1], (wide[1:] < wide[:-1]).any().to(torch.int64)]
+        )  # read by the assignment, with its counts
+
+        def verify(values: list[int]) -> None:
+            check_offset_values(values[0], values[1], lookups, decreasing=bool(values[2]))
+
         self._tick += 1
         tick = self._tick
         self._open.add(tick)
         protect = min(self._open)
         try:
-            assignment = self.cache.assign(tables, indices.to(torch.int64), tick, protect)
+            assignment = self.cache.assign(
+                tables, indices.to(torch.int64), tick, protect, checks=checks, verify=verify
+            )
         except BaseException:
             self._open.discard(tick)
             raise
@@ -335,7 +353,6 @@ class DevicePath:
         return _Batch(
             indices=indices,
             offsets=offsets,
-            host_offsets=plan.offsets,
             slots=assignment.slots,
             unique_slots=assignment.unique_slots,
             inverse=assignment.inverse,
@@ -445,11 +462,15 @@ class DevicePath:
 
 
 def _bag_of_lookup(offsets: torch.Tensor, lookups: int) -> torch.Tensor:
-    """``[lookups]`` int64 on the device of ``offsets``: the bag of each lookup (no sync)."""
-    offsets = offsets.to(torch.int64)
-    lengths = offsets[1:] - offsets[:-1]
-    bags = torch.arange(lengths.numel(), device=offsets.device)
-    return torch.repeat_interleave(bags, lengths, output_size=lookups)
+    """``[lookups]`` int64 on the device of ``offsets``: the bag of each lookup (no sync; ``offsets`` has at
+    least one bag when ``lookups > 0``).
+
+    A ``searchsorted`` over the bags' ends rather than ``repeat_interleave(output_size=...)``: it stays in
+    bounds (clamped) whatever ``offsets`` holds, so it may run before the values are checked, where a
+    ``repeat_interleave`` whose lengths do not sum to ``lookups`` trips a device-side assert on CUDA."""
+    ends = offsets[1:].to(torch.int64)
+    positions = torch.arange(lookups, dtype=torch.int64, device=offsets.device)
+    return torch.searchsorted(ends, positions, right=True).clamp_(max=max(ends.numel() - 1, 0))
 
 
 def _same_batch(

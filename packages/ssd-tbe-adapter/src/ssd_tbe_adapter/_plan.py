@@ -13,7 +13,15 @@ import torch
 from ssd_tbe_adapter._checks import describe
 from ssd_tbe_adapter.errors import InvalidArgumentError
 
-__all__ = ["Plan", "TableGroup", "device_inverse", "group_batch", "plan_batch", "sort_with_order"]
+__all__ = [
+    "Plan",
+    "TableGroup",
+    "check_offset_values",
+    "device_inverse",
+    "group_batch",
+    "plan_batch",
+    "sort_with_order",
+]
 
 
 @dataclass(slots=True)
@@ -42,7 +50,7 @@ class Plan:
 
     num_bags: list[int]  # per feature
     bag_start: list[int]  # per feature, into offsets
-    offsets: torch.Tensor  # [num_bags_total + 1] int64 host
+    offsets: torch.Tensor  # [num_bags_total + 1] int64 host (check_offsets=False: the caller's tensor)
     groups: dict[int, TableGroup]
     vbe: bool
     batch_size: int  # non-VBE only
@@ -65,12 +73,14 @@ def plan_batch(
     dims: Sequence[int],
     device: torch.device,
     host_indices: bool = True,
-    host_offsets: torch.Tensor | None = None,
+    check_offsets: bool = True,
 ) -> tuple[Plan, torch.Tensor]:
     """Check one forward's (or prefetch's) inputs and lay out its bags and output (no grouping yet).
 
     ``host_indices=False`` skips copying ``indices`` to the host (the device cache path never needs them
-    there) and ``host_offsets`` (``offsets`` already copied to the host, int64) skips that copy too.
+    there). ``check_offsets=False`` skips copying ``offsets`` to the host and checking its values (the device
+    cache path checks them on the device, read together with its slot counts: one host sync fewer); the
+    plan's ``offsets`` is then the caller's tensor, unchecked, and only its length is used here.
 
     Returns:
         The plan (``groups`` empty) and ``indices`` as int64 on the host (``indices`` itself when
@@ -89,15 +99,19 @@ def plan_batch(
     if offsets.numel() < 1:
         raise InvalidArgumentError("`offsets` must hold at least one element (offsets[0] == 0)")
     indices_cpu = indices.to("cpu", torch.int64) if host_indices else indices
-    offsets_cpu = host_offsets if host_offsets is not None else offsets.to("cpu", torch.int64)
-    total_bags = offsets_cpu.numel() - 1
-    if int(offsets_cpu[0]) != 0 or int(offsets_cpu[-1]) != indices_cpu.numel():
-        raise InvalidArgumentError(
-            f"`offsets` must start at 0 and end at len(indices)={indices_cpu.numel()}, "
-            f"got {int(offsets_cpu[0])} .. {int(offsets_cpu[-1])}"
+    total_bags = offsets.numel() - 1
+    if check_offsets:
+        offsets_cpu = offsets.to("cpu", torch.int64)
+        decreasing = bool(total_bags and (offsets_cpu[1:] < offsets_cpu[:-1]).any())
+        check_offset_values(
+            int(offsets_cpu[0]), int(offsets_cpu[-1]), indices_cpu.numel(), decreasing=decreasing
         )
-    if total_bags and bool((offsets_cpu[1:] < offsets_cpu[:-1]).any()):
-        raise InvalidArgumentError("`offsets` must be non-decreasing")
+    else:
+        offsets_cpu = offsets
+        if total_bags == 0 and indices.numel():  # the device check needs a bag to put each lookup in
+            raise InvalidArgumentError(
+                f"`offsets` must start at 0 and end at len(indices)={indices.numel()}, got one element"
+            )
     if per_sample_weights is not None and (
         per_sample_weights.dim() != 1
         or not per_sample_weights.is_floating_point()
@@ -205,6 +219,17 @@ def plan_batch(
         output_numel=output_numel,
     )
     return plan, indices_cpu
+
+
+def check_offset_values(first: int, last: int, lookups: int, *, decreasing: bool = False) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``offsets`` starts at 0, ends at ``lookups`` and (``decreasing``
+    false) never decreases."""
+    if first != 0 or last != lookups:
+        raise InvalidArgumentError(
+            f"`offsets` must start at 0 and end at len(indices)={lookups}, got {first} .. {last}"
+        )
+    if decreasing:
+        raise InvalidArgumentError("`offsets` must be non-decreasing")
 
 
 def group_batch(
