@@ -1,19 +1,28 @@
-"""Our DLRM trainer against torchrec's on the same model, tables, optimizer and batches, on one device.
+"""Our DLRM trainer against torchrec's on the same model, tables, optimizer and batches, on one or more ranks.
 
     python -m examples.dlrm.bench --device cuda --json docs/bench/examples-dlrm-h200.json --plot out.png
+    torchrun --standalone --nproc-per-node 2 -m examples.dlrm.bench --device cpu --json out.json
 
 Rows (``--impls``): ``ours-pipelined`` and ``ours-plain`` (every table in a TBE: fbgemm's on CUDA), ``ours-kv``
 (pipelined, Criteo's five large tables in key-value tables on RocksDB), ``torchrec-pipeline``
-(``DistributedModelParallel`` + ``TrainPipelineSparseDist``, CUDA only: its pipeline needs streams) and
-``torchrec-plain`` (``DistributedModelParallel`` in a plain loop). torchrec gets the same 26 tables (fused
-row-wise Adagrad in its TBEs), the same bottom MLP / interaction / top MLP modules, the same dense Adagrad and the
-same synthetic batches (a pool cycled, as the trainer's ``--batch-pool``). torchrec is a benchmark-only
+(``DistributedModelParallel`` + ``TrainPipelineSparseDist``, CUDA only: its pipeline needs streams),
+``torchrec-plain`` (``DistributedModelParallel`` in a plain loop) and ``torchrec-plain-cat`` (the same, its
+interaction input a ``torch.cat`` of the dense output and the pooled ``KeyedTensor``'s values in the shards'
+feature order, as torchrec's own DLRM does, instead of ``KTRegroupAsDict``, whose fbgemm-gpu-cpu
+``permute_multi_embedding`` takes 10-25 ms a call on CPU; a default row on CPU only). torchrec gets the same 26
+tables (fused row-wise Adagrad in its TBEs), the same bottom MLP / interaction / top MLP modules, the same dense
+Adagrad and the same synthetic batches (a pool cycled, as the trainer's ``--batch-pool``). torchrec is a benchmark-only
 dependency: when it does not import, its rows are reported as skipped.
 
 Each run trains ``warmup + steps + profile_steps`` steps. Throughput: a device sync after step ``warmup`` and after
 step ``warmup + steps`` (counted at the dense optimizer's step), samples of those steps over the wall time between.
 GPU busy: a torch.profiler window over the next ``profile_steps`` steps, the union of kernel / memcpy / memset
 intervals over the window's wall time. Implementations run interleaved, ``--reps`` times; medians are reported.
+
+Under torchrun (``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` set) every rank trains on its own batches (the
+trainer's synthetic stream of that rank), torchrec's planner gets a topology of the world size, and the
+throughput is the samples of all ranks over the slowest rank's window; rank 0 prints and writes the JSON. Without
+torchrun the bench is a world of one (gloo on CPU, NCCL on CUDA).
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import functools
 import gzip
 import json
 import os
+import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -43,7 +54,16 @@ from examples.dlrm.train import TrainConfig, train
 
 __all__ = ["main"]
 
-ALL_IMPLS = ("ours-pipelined", "ours-plain", "ours-kv", "torchrec-pipeline", "torchrec-plain")
+ALL_IMPLS = (
+    "ours-pipelined",
+    "ours-plain",
+    "ours-kv",
+    "torchrec-pipeline",
+    "torchrec-plain",
+    "torchrec-plain-cat",
+)
+CUDA_IMPLS = ALL_IMPLS[:5]  # the default rows on CUDA (torchrec's regroup kernel is fast there)
+CPU_IMPLS = tuple(i for i in ALL_IMPLS if i != "torchrec-pipeline")  # torchrec's pipeline needs CUDA streams
 NUM_DENSE = 13
 NO_KV = 10**15  # a key-value row threshold no table reaches: every table in a TBE
 
@@ -133,6 +153,8 @@ class BenchConfig:
     steps: int
     profile_steps: int
     out: Path
+    rank: int = 0
+    world_size: int = 1
 
     @property
     def total_steps(self) -> int:
@@ -171,8 +193,15 @@ def _run_window(bench: BenchConfig, body: Callable[[], list[int]]) -> dict[str, 
         sizes = body()
     finally:
         handle.remove()
-    samples = sum(sizes[bench.warmup : bench.warmup + bench.steps])
+    samples = float(sum(sizes[bench.warmup : bench.warmup + bench.steps]))
     seconds = window.t1 - window.t0
+    if bench.world_size > 1:  # samples of all ranks over the slowest rank's window
+        on = torch.device("cuda", torch.cuda.current_device()) if window.cuda else torch.device("cpu")
+        total = torch.tensor([samples], dtype=torch.float64, device=on)
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=on)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        samples, seconds = float(total.item()), float(slowest.item())  # after the window: off the timed steps
     return {
         "qps": samples / seconds if seconds > 0 else float("nan"),
         "ms_per_step": 1000.0 * seconds / bench.steps,
@@ -181,18 +210,25 @@ def _run_window(bench: BenchConfig, body: Callable[[], list[int]]) -> dict[str, 
 
 
 def _ours(bench: BenchConfig, *, pipeline: bool, kv: bool) -> list[int]:
-    result = train(bench.train_config(pipeline=pipeline, kv=kv), rank=0, world_size=1)
+    config = bench.train_config(pipeline=pipeline, kv=kv)
+    result = train(config, rank=bench.rank, world_size=bench.world_size)
     return list(result.samples)
 
 
 def _pool(bench: BenchConfig) -> list[DLRMBatch]:
     config = bench.train_config(pipeline=False, kv=False)
-    source = SyntheticCriteo(config.synthetic(0, 1), rank=0, world_size=1)
+    rank, world = bench.rank, bench.world_size
+    source = SyntheticCriteo(config.synthetic(rank, world), rank=rank, world_size=world)
     return [source.batch(i) for i in range(min(bench.batch_pool, bench.total_steps))]
 
 
-def _torchrec(bench: BenchConfig, *, pipeline: bool) -> list[int]:
-    """torchrec's DistributedModelParallel over the same tables, modules, optimizers and batches."""
+def _torchrec(bench: BenchConfig, *, pipeline: bool, cat: bool = False) -> list[int]:
+    """torchrec's DistributedModelParallel over the same tables, modules, optimizers and batches.
+
+    ``cat``: the interaction input is ``torch.cat`` of the dense output and the pooled values instead of
+    ``KTRegroupAsDict``, as torchrec's own DLRM reads its ``SparseArch``: the same work and model shape, the
+    features in the order of the shards (rank 0's tables first) rather than in Criteo's order.
+    """
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
     from torchrec.datasets.utils import Batch
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -203,6 +239,8 @@ def _torchrec(bench: BenchConfig, *, pipeline: bool) -> list[int]:
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     device = torch.device(bench.device)
+    if device.type == "cuda" and bench.world_size > 1:
+        device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU (set from LOCAL_RANK)
     config = bench.train_config(pipeline=False, kv=False)
     rows = config.embedding_config(1).table_rows
     dim = bench.embedding_dim
@@ -226,20 +264,32 @@ def _torchrec(bench: BenchConfig, *, pipeline: bool) -> list[int]:
                 seed=config.seed + 1,
             )
             self.regroup = KTRegroupAsDict(groups=[["dense", *SPARSE_FEATURES]], keys=["interaction"])
+            self.keys_checked = False
 
         def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
             dense = self.bottom(batch.dense_features)
             pooled = self.sparse_arch(batch.sparse_features)
-            dense_kt = KeyedTensor(keys=["dense"], length_per_key=[dim], values=dense)
-            grouped = self.regroup([dense_kt, pooled])["interaction"]
+            if cat:
+                if not self.keys_checked:  # once: every feature, each `dim` wide (in the shards' order)
+                    widths = set(pooled.length_per_key())
+                    if sorted(pooled.keys()) != sorted(SPARSE_FEATURES) or widths != {dim}:
+                        raise RuntimeError(
+                            f"torchrec's pooled keys {pooled.keys()} (widths {widths}) do not fit"
+                        )
+                    self.keys_checked = True
+                grouped = torch.cat([dense, pooled.values()], dim=1)  # [B, (1 + 26) * dim]
+            else:
+                dense_kt = KeyedTensor(keys=["dense"], length_per_key=[dim], values=dense)
+                grouped = self.regroup([dense_kt, pooled])["interaction"]
             logits = self.head.logits(grouped)
             return F.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
 
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": config.sparse_lr})
-    # Every table table-wise in a fused TBE (as ours): the planner alone picks data-parallel on one rank.
+    # Every table table-wise in a fused TBE (as ours): the planner alone picks data-parallel on one rank. On more
+    # ranks the planner spreads the tables over them and DMP wraps the dense part in DDP, as ours does.
     unsharded = TorchrecDLRM()
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=1, compute_device=device.type),
+        topology=Topology(world_size=bench.world_size, compute_device=device.type),
         constraints={
             f"t_{f}": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
             for f in SPARSE_FEATURES
@@ -300,6 +350,8 @@ def _run(bench: BenchConfig, impl: str) -> list[int]:
         return _torchrec(bench, pipeline=True)
     if impl == "torchrec-plain":
         return _torchrec(bench, pipeline=False)
+    if impl == "torchrec-plain-cat":
+        return _torchrec(bench, pipeline=False, cat=True)
     raise ValueError(f"`impl` is {impl!r}, expected one of {', '.join(ALL_IMPLS)}")
 
 
@@ -307,7 +359,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m examples.dlrm.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
-        "--impls", default=",".join(ALL_IMPLS), help="comma-separated subset of " + ",".join(ALL_IMPLS)
+        "--impls",
+        default="",
+        help=f"comma-separated subset of {','.join(ALL_IMPLS)} "
+        f"(default on CUDA: {','.join(CUDA_IMPLS)}; on CPU: {','.join(CPU_IMPLS)})",
     )
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=60)
@@ -322,12 +377,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-rows", type=int, default=65536)
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
+    p.add_argument("--notes", default="", help="free text for the JSON's `notes` (machine load, versions)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    impls = [i for i in args.impls.split(",") if i]
+    cuda = args.device.startswith("cuda")
+    impls = [i for i in args.impls.split(",") if i] or list(CUDA_IMPLS if cuda else CPU_IMPLS)
     unknown = [i for i in impls if i not in ALL_IMPLS]
     if unknown:
         print(f"error: `--impls` names {', '.join(unknown)}; expected some of {', '.join(ALL_IMPLS)}")
@@ -335,16 +392,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" and "torchrec-pipeline" in impls:
         impls.remove("torchrec-pipeline")  # torchrec's pipeline needs CUDA streams
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29561")
-        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo", rank=0, world_size=1)
+        backend = "nccl" if cuda else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun: env:// rendezvous
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend)
+        else:  # a plain `python -m examples.dlrm.bench`: a world of one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29561")
+            dist.init_process_group(backend, rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lead = rank == 0  # only rank 0 prints and writes
     try:
         import torchrec  # noqa: F401
     except Exception as exc:  # any import failure (missing, ABI mismatch): its rows are skipped
-        print(f"torchrec does not import here ({type(exc).__name__}: {exc}); its rows are skipped")
+        if lead:
+            print(f"torchrec does not import here ({type(exc).__name__}: {exc}); its rows are skipped")
         impls = [i for i in impls if not i.startswith("torchrec")]
     results: dict[str, list[dict[str, float]]] = {i: [] for i in impls}
-    with tempfile.TemporaryDirectory() as tmp:
+    # One run folder for all ranks (the trainer's checkpoint and key-value folders are per run, not per rank).
+    shared = [tempfile.mkdtemp(prefix="dlrm-bench-") if lead else ""]
+    if world > 1:
+        dist.broadcast_object_list(shared, src=0)
+    tmp = shared[0]
+    try:
         for rep in range(args.reps):
             for impl in impls:
                 bench = BenchConfig(
@@ -360,42 +431,71 @@ def main(argv: list[str] | None = None) -> int:
                     steps=args.steps,
                     profile_steps=args.profile_steps,
                     out=Path(tmp) / f"{impl}-{rep}",
+                    rank=rank,
+                    world_size=world,
                 )
                 row = _run_window(bench, functools.partial(_run, bench, impl))
+                row["load_avg"] = os.getloadavg()[0]  # 1-minute load at the end of the run (shared machines)
                 results[impl].append(row)
-                print(
-                    f"rep {rep} {impl:18s} {row['qps']:>12,.0f} samples/s {row['ms_per_step']:8.2f} ms/step "
-                    f"gpu busy {row['gpu_busy']:.1%}",
-                    flush=True,
-                )
+                if lead:
+                    busy = f"gpu busy {row['gpu_busy']:.1%} " if cuda else ""
+                    print(
+                        f"rep {rep} {impl:18s} {row['qps']:>12,.0f} samples/s {row['ms_per_step']:8.2f} ms/step "
+                        f"{busy}load {row['load_avg']:.1f}",
+                        flush=True,
+                    )
+    finally:
+        if world > 1:
+            dist.barrier()
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not lead:
+        dist.destroy_process_group()
+        return 0
     summary = [
         {
-            "case": f"dlrm B{args.min_batch_size}-{args.batch_size} D{args.embedding_dim}",
+            "case": f"dlrm B{args.min_batch_size}-{args.batch_size} D{args.embedding_dim}"
+            + (f" × {world} ranks" if world > 1 else ""),
             "impl": impl,
             "median_ms": statistics.median(r["ms_per_step"] for r in rows),
             "p10_ms": min(r["ms_per_step"] for r in rows),  # min / max of the reps (few reps: no quantiles)
             "p90_ms": max(r["ms_per_step"] for r in rows),
             "qps_median": round(statistics.median(r["qps"] for r in rows)),
-            "gpu_busy_median": round(statistics.median(r["gpu_busy"] for r in rows), 3),
+            "gpu_busy_median": round(statistics.median(r["gpu_busy"] for r in rows), 3) if cuda else None,
+            "load_avg_median": round(statistics.median(r["load_avg"] for r in rows), 1),
             "reps": len(rows),
         }
         for impl, rows in results.items()
     ]
     print(f"\n{'impl':18s} {'samples/s':>12s} {'ms/step':>8s} {'GPU busy':>8s}")
     for s in summary:
-        print(f"{s['impl']:18s} {s['qps_median']:>12,.0f} {s['median_ms']:8.2f} {s['gpu_busy_median']:8.1%}")
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+        busy = f"{s['gpu_busy_median']:8.1%}" if cuda else f"{'-':>8s}"
+        print(f"{s['impl']:18s} {s['qps_median']:>12,.0f} {s['median_ms']:8.2f} {busy}")
+    device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    if world > 1:
+        device_name = f"{world} ranks × {device_name} ({dist.get_backend()})"
+    launcher = "python -m"
+    if world > 1:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        nodes = "--standalone" if local == world else f"--nnodes {world // local}"
+        launcher = f"torchrun {nodes} --nproc-per-node {local} -m"
+    shown = list(sys.argv[1:] if argv is None else argv)
+    if "--notes" in shown:  # the notes go to their own key
+        del shown[shown.index("--notes") : shown.index("--notes") + 2]
+    shown = [a for a in shown if not a.startswith("--notes=")]
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "package": "examples-dlrm",
             "version": "examples",
             "date": time.strftime("%Y-%m-%d"),
-            "command": "python -m examples.dlrm.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": f"{launcher} examples.dlrm.bench {shlex.join(shown)}",
             "device": device_name,
             "torch": torch.__version__,
             "results": summary,
         }
+        if args.notes:
+            payload["notes"] = args.notes
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
     if args.plot:
         import matplotlib
