@@ -90,3 +90,31 @@ def test_shared_and_cyclic_objects_are_visited_once() -> None:
 def test_cpu_tensors_are_skipped() -> None:
     """Tensors on another device type than the stream's are left alone (no CPU record_stream)."""
     record_stream_all([torch.ones(3), {"x": torch.zeros(1)}], FakeStream())  # type: ignore[arg-type]  # duck-typed
+
+
+@dataclass(frozen=True)
+class Annotated:
+    """Fields annotated with atom types are not walked (their annotation says they hold no tensor)."""
+
+    count: int
+    sizes: tuple[tuple[int, ...], ...]
+    name: str | None
+    anything: list  # type: ignore[type-arg]  # bare on purpose: a bare container may hold anything
+    mixed: tuple[int, Any]
+    payload: Any
+
+
+def test_dataclass_fields_annotated_with_atoms_are_not_walked() -> None:
+    """Only fields whose annotation can hold a tensor are walked; each Pipelineable is still called once."""
+    lying, bare, mixed, payload = Leaf(), Leaf(), Leaf(), Leaf()
+    obj = Annotated(
+        count=lying,  # type: ignore[arg-type]  # an annotation that lies is trusted: not walked
+        sizes=((1, 2), (3,)),
+        name=None,
+        anything=[bare],
+        mixed=(1, mixed),
+        payload={"x": payload, "again": payload},
+    )
+    for _ in range(2):  # the second call uses the per-type plan
+        record_stream_all(obj, FakeStream())  # type: ignore[arg-type]  # duck-typed
+    assert (lying.calls, bare.calls, mixed.calls, payload.calls) == (0, 2, 2, 2)
