@@ -444,10 +444,22 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
     if config.pipeline:
         cuda = device.type == "cuda"
         copy_stream = _new_stream(device) if cuda else None
+        # Only key-value tables prefetch; with every table in a TBE the prefetch stage would be a stream
+        # hand-off with nothing on it, so it is left out. Decided from the config, the same on every rank
+        # (the pipeline depth sets how many batches each rank pulls, and the exhaustion all-reduces match).
+        prefetching = bool(config.embedding_config(world_size).kv_features)
+        # wait_after_forward: batch i+1's dist wait and prefetch run right after forward i is launched.
         sdd = SparseDataDistUtil(
             model,
             data_dist_stream=_new_stream(device) if cuda else None,
-            prefetch_stream=_new_stream(device) if cuda else None,
+            prefetch_stream=_new_stream(device) if cuda and prefetching else None,
+            wait_after_forward=True,
+        )
+        prefetch_stage = PipelineStage(
+            name="prefetch",
+            runnable=sdd.prefetch,
+            stream=sdd.prefetch_stream,
+            fill_callback=sdd.load_prefetch,
         )
         pipeline = StagedTrainPipeline(
             pipeline_stages=[
@@ -460,12 +472,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
                     stream=sdd.data_dist_stream,
                     fill_callback=sdd.wait_sparse_data_dist,
                 ),
-                PipelineStage(
-                    name="prefetch",
-                    runnable=sdd.prefetch,
-                    stream=sdd.prefetch_stream,
-                    fill_callback=sdd.load_prefetch,
-                ),
+                *([prefetch_stage] if prefetching else []),
             ],
             # Criteo files dealt round-robin can leave one rank a batch short: stop all ranks together.
             exhaustion_group=group if config.data else None,

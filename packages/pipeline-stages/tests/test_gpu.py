@@ -293,6 +293,73 @@ def test_sparse_data_dist_util_on_streams() -> None:
     assert model.streams["forward"] == {torch.cuda.default_stream().cuda_stream}
 
 
+class SlowPrefetchSparse(nn.Module):
+    """Fake dist + a slow prefetch on its stream that writes the rows the forward reads (a KV cache)."""
+
+    def __init__(self, log: list[tuple[str, int]]) -> None:
+        super().__init__()
+        self.queue: deque[Dist] = deque()
+        self.cache: dict[int, torch.Tensor] = {}
+        self.log = log
+
+    def start_input_dist(self, features: torch.Tensor) -> torch.Tensor:
+        gpu_sleep(100_000)
+        return features * 10
+
+    def wait_input_dist(self, handle: torch.Tensor) -> Dist:
+        return Dist(ids=handle + 0)
+
+    def enqueue_pipelined_input(self, dist_features: Dist) -> None:
+        self.queue.append(dist_features)
+
+    def prefetch(self, dist_features: Dist, forward_stream: torch.cuda.Stream | None = None) -> None:
+        self.log.append(("prefetch", id(dist_features)))
+        gpu_sleep(2_000_000)  # the forward must wait for this (prefetch stream event)
+        self.cache[id(dist_features)] = dist_features.ids + 1
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        dist = self.queue.popleft()
+        self.log.append(("forward", id(dist)))
+        cached = self.cache.pop(id(dist))
+        cached.record_stream(torch.cuda.current_stream())
+        return cached * 2
+
+
+@pytest.mark.parametrize("after", [True, False], ids=["wait-after-forward", "in-progress"])
+def test_deferred_prefetch_is_stream_ordered_before_its_forward(after: bool) -> None:
+    """With the wait and prefetch of batch i+1 run after forward i, forward i+1 still reads the rows the
+    (slow) prefetch wrote on its stream; with the option the prefetch of i+1 is called after forward i."""
+    log: list[tuple[str, int]] = []
+    model = SlowPrefetchSparse(log)
+    dist_stream, prefetch_stream, copy_stream = cuda_stream(), cuda_stream(), cuda_stream()
+    sdd = SparseDataDistUtil(
+        model, data_dist_stream=dist_stream, prefetch_stream=prefetch_stream, wait_after_forward=after
+    )
+    device = torch.device("cuda")
+    pipeline = StagedTrainPipeline(
+        [
+            PipelineStage("data_copy", lambda b: b.to(device, non_blocking=True), stream=copy_stream),
+            PipelineStage(
+                "start_sparse_data_dist", sdd.start_sparse_data_dist, stream=sdd.data_dist_stream,
+                fill_callback=sdd.wait_sparse_data_dist,
+            ),
+            PipelineStage("prefetch", sdd.prefetch, stream=sdd.prefetch_stream, fill_callback=sdd.load_prefetch),
+        ]
+    )  # fmt: skip
+    it = iter([SparseBatch(index=i, sparse_features=torch.arange(i, i + 64).pin_memory()) for i in range(6)])
+    outs = []
+    while (batch := pipeline.progress(it)) is not None:
+        outs.append((batch.index, model(batch.sparse_features)))
+    torch.cuda.synchronize()
+    for i, out in outs:
+        torch.testing.assert_close(out.cpu(), (torch.arange(i, i + 64) * 10 + 1) * 2)
+    kinds = [kind for kind, _ in log]
+    if after:  # fill: prefetch 0; then each forward i is followed by the prefetch of i+1
+        assert kinds == ["prefetch", *["forward", "prefetch"] * 5, "forward"]
+    else:  # torchrec's placement: prefetch of i+1 inside progress(), before forward i
+        assert kinds == ["prefetch", "prefetch", *["forward", "prefetch"] * 4, "forward", "forward"]
+
+
 def test_backward_overlap_runs_embedding_backward_on_module_stream() -> None:
     """The embedding backward runs on the module's own stream; gradients equal plain autograd."""
     backward_streams: list[int] = []

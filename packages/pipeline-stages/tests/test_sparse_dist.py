@@ -151,10 +151,11 @@ def test_each_forward_uses_its_own_batch_dist(layout: str, total: int, flush_at:
 
 
 def test_wait_of_next_batch_runs_after_the_forward() -> None:
-    """As torchrec: the next batch's dist is waited after the current forward (hidden behind it)."""
+    """As torchrec (wait_after_forward=False): the prefetch stage waits and prefetches batch i+1 before
+    forward i; the batch after that is waited after the current forward (hidden behind it)."""
     log: list[tuple[str, int]] = []
     model = Model(log)
-    sdd = SparseDataDistUtil(model)
+    sdd = SparseDataDistUtil(model, wait_after_forward=False)
     pipeline = StagedTrainPipeline(stages_for("copy-sdd-prefetch", sdd))
     it = iter(make_batches(5))
     batch = pipeline.progress(it)

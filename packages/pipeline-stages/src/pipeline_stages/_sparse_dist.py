@@ -4,15 +4,24 @@ No FX rewrite: the util finds the submodules that implement :class:`~pipeline_st
 and keeps one context per in-flight batch, in a FIFO that advances in lockstep with the batches:
 
 * ``start_sparse_data_dist(batch)`` (a stage runnable) appends a context and starts every module's input dist.
-* ``wait_sparse_data_dist()`` finishes the oldest started, unwaited context (fill callback of that stage, and
-  after every model forward through a forward hook on the model, as torchrec does).
+* ``wait_sparse_data_dist()`` finishes the oldest started, unwaited context (fill callback of that stage;
+  with ``wait_after_forward=False`` also after every model forward through a forward hook on the model, as
+  torchrec does).
 * ``prefetch(batch)`` (a stage runnable) prefetches the rows of the batch's context on every
-  :class:`~pipeline_stages.interfaces.Prefetchable` module (waiting for the dist first if needed).
+  :class:`~pipeline_stages.interfaces.Prefetchable` module (waiting for the dist first if needed). With
+  ``wait_after_forward=True`` (the default) it only marks the context when an older batch is still to be
+  forwarded: the wait and the prefetch then run right after that older batch's forward has been launched
+  (see below), so the host never waits for batch ``i+1`` before forward ``i`` is queued.
 * ``load_prefetch()`` (fill callback of the prefetch stage, and after every model forward) marks the oldest
   prefetched context as loaded: the input of an upcoming forward.
 * A forward pre-hook on every sparse module hands the context's distributed features to the module with
   ``enqueue_pipelined_input`` right before its forward (after the compute stream waited for the dist or
   prefetch work and ``record_stream`` of the features), so the forward pops them instead of distributing.
+  A dist not waited or a prefetch not run by then is done there first.
+* After a forward that consumed a context (``wait_after_forward=True``): at the end of the model's forward
+  when the model is called (``model(batch)``), else at the end of the last sparse module's forward (a
+  training loop that calls another method of the model, which runs no model hooks), the oldest context
+  whose prefetch was deferred is waited and prefetched; without one, the oldest unwaited dist is waited.
 
 Which context a forward consumes: when the util's bound methods are stage callables of a
 :class:`~pipeline_stages.StagedTrainPipeline`, the pipeline tags every context with its batch's sequence
@@ -65,7 +74,8 @@ class _BatchContext:
     handles: dict[str, Any]
     dist: dict[str, Any] | None = None
     event: torch.cuda.Event | None = None
-    prefetched: bool = False
+    prefetched: bool = False  # the prefetch stage ran for this batch (its work may be deferred: `deferred`)
+    deferred: bool = False  # wait + prefetch still to run: after the previous batch's forward, or in its own
     loaded: bool = False
     consumed: set[str] = field(default_factory=set)
 
@@ -98,6 +108,13 @@ class SparseDataDistUtil:
 
     Without a prefetch stage, drop the last stage: the forward then uses the waited dist features directly.
 
+    With ``wait_after_forward=True`` (the default), the host-blocking part of batch ``i+1``'s preparation (the
+    input dist's wait, and the prefetch, whose host work can be long for key-value tables) runs right after
+    forward ``i`` has been launched instead of inside ``progress()`` before it: the GPU already has forward
+    ``i`` queued while the host waits. The prefetch stage's runnable then only marks the batch, so its
+    ``stats()`` host and device times no longer contain the prefetch. The prefetch still runs on
+    ``prefetch_stream`` and forward ``i+1`` waits for its event.
+
     Args:
         model: the model; every outermost submodule (the model itself included) implementing
             :class:`~pipeline_stages.interfaces.SparseDistModule` is driven.
@@ -109,6 +126,11 @@ class SparseDataDistUtil:
         sparse_features: ``batch -> features`` handed to ``start_input_dist``; defaults to the batch's
             ``sparse_features`` attribute. It may return a mapping ``{module name: features}`` whose keys are
             exactly the names of the driven modules (see :attr:`modules`) to give each module its own input.
+        wait_after_forward: run the wait and prefetch of the next batch right after the current batch's
+            forward has been launched (True, default) or inside the prefetch stage, before it (False:
+            torchrec's placement). Results are the same; errors raised by a deferred wait or prefetch come
+            out of the forward that ran it (with a note naming the batch), and the batch's own forward
+            retries it.
 
     Raises:
         NoSparseModulesError: ``model`` has no submodule implementing ``SparseDistModule``.
@@ -129,6 +151,7 @@ class SparseDataDistUtil:
         prefetch_stream: torch.cuda.Stream | None = None,
         *,
         sparse_features: Callable[[Any], Any] | None = None,
+        wait_after_forward: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InvalidStageError(f"`model` must be a torch.nn.Module, got {type(model).__name__}")
@@ -142,6 +165,8 @@ class SparseDataDistUtil:
         for name, stream in (("data_dist_stream", data_dist_stream), ("prefetch_stream", prefetch_stream)):
             if stream is not None and not isinstance(stream, torch.cuda.Stream):
                 raise InvalidStageError(f"`{name}` must be a torch.cuda.Stream or None, got {stream!r}")
+        if not isinstance(wait_after_forward, bool):
+            raise InvalidStageError(f"`wait_after_forward` must be a bool, got {wait_after_forward!r}")
         if sparse_features is not None and not callable(sparse_features):
             raise InvalidStageError(
                 f"`sparse_features` must be callable (batch -> features), got {sparse_features!r}"
@@ -151,6 +176,10 @@ class SparseDataDistUtil:
         self.prefetch_stream = prefetch_stream
         self._sparse_features = sparse_features if sparse_features is not None else _default_sparse_features
         self._modules = self._find_modules(model)
+        self._prefetchable = {
+            name: module for name, module in self._modules.items() if isinstance(module, Prefetchable)
+        }
+        self.wait_after_forward = wait_after_forward
         self._cuda = data_dist_stream is not None or prefetch_stream is not None
         device = (
             next(s.device for s in (data_dist_stream, prefetch_stream) if s is not None)
@@ -166,6 +195,8 @@ class SparseDataDistUtil:
         self._linked = False  # a StagedTrainPipeline reports batch sequence numbers to this util
         self._expected: int | None = None  # sequence number of the batch the next forward is for
         self._active: _BatchContext | None = None  # context of the forward in progress (_PLAIN: none)
+        self._in_model_forward = False  # between the model's forward pre- and post-hook
+        self._consumed_in_forward = False  # the forward in progress consumed a context (every module's part)
         self.attach()
 
     # ---------------------------------------------------------------- discovery and hooks
@@ -208,6 +239,7 @@ class SparseDataDistUtil:
         for name, module in self._modules.items():
             assert isinstance(module, nn.Module)
             self._hooks.append(module.register_forward_pre_hook(self._module_pre_hook(name)))
+            self._hooks.append(module.register_forward_hook(self._module_post_hook))
         self._hooks.append(self.model.register_forward_hook(self._model_post_hook))
 
     def detach(self) -> nn.Module:
@@ -228,6 +260,7 @@ class SparseDataDistUtil:
                 self._wait(ctx)
         self._contexts.clear()
         self._active = None
+        self._in_model_forward = self._consumed_in_forward = False
 
     # ---------------------------------------------------------------- stages
 
@@ -261,7 +294,8 @@ class SparseDataDistUtil:
 
         The context is the one of this batch's sequence number inside a pipeline stage, else the one started
         for this very batch object if there is one, else the oldest one not prefetched yet; its dist is
-        waited first if needed.
+        waited first if needed. With ``wait_after_forward`` and an older batch still to be forwarded, the
+        wait and the prefetch are deferred to right after that forward (see the class docstring).
         """
         seq = CURRENT_BATCH.get()
         ctx = self._context_of_seq(seq) if seq is not None else None
@@ -269,20 +303,11 @@ class SparseDataDistUtil:
             ctx = self._context_of(batch, lambda c: not c.prefetched)
         if ctx is None:
             return batch
-        if ctx.dist is None:
-            self._wait(ctx)
-        assert ctx.dist is not None
-        with record_function(f"## prefetch {ctx.index} ##"), stream_context(self.prefetch_stream):
-            stream = self._current_stream()
-            if stream is not None and ctx.event is not None:
-                stream.wait_event(ctx.event)
-                record_stream_all(ctx.dist, stream)
-            for name, module in self._modules.items():
-                if isinstance(module, Prefetchable):
-                    module.prefetch(ctx.dist[name], forward_stream=self._forward_stream)
-            if stream is not None:
-                ctx.event = new_event(stream)
         ctx.prefetched = True
+        if self.wait_after_forward and self._hooks and self._contexts[0] is not ctx:
+            ctx.deferred = True  # an older batch's forward comes first: run right after it (_after_forward)
+            return batch
+        self._prefetch(ctx)
         return batch
 
     def load_prefetch(self) -> None:
@@ -342,6 +367,44 @@ class SparseDataDistUtil:
     def _current_stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.current_stream() if self._cuda else None
 
+    def _prefetch(self, ctx: _BatchContext) -> None:
+        """Wait ``ctx``'s dist if needed, then prefetch its rows on every Prefetchable module."""
+        if ctx.dist is None:
+            self._wait(ctx)
+        assert ctx.dist is not None
+        if not self._prefetchable:
+            ctx.deferred = False
+            return  # nothing runs on the prefetch stream: the forward waits for the dist event itself
+        with record_function(f"## prefetch {ctx.index} ##"), stream_context(self.prefetch_stream):
+            stream = self._current_stream()
+            if stream is not None and ctx.event is not None:
+                stream.wait_event(ctx.event)
+                for name in self._prefetchable:  # only what the prefetch stream reads
+                    record_stream_all(ctx.dist[name], stream)
+            for name, module in self._prefetchable.items():
+                module.prefetch(ctx.dist[name], forward_stream=self._forward_stream)
+            if stream is not None:
+                ctx.event = new_event(stream)
+        ctx.deferred = False  # only once every module prefetched: a failed prefetch is retried by its forward
+
+    def _after_forward(self) -> None:
+        """Right after a forward that consumed a context: prepare the next batch (``wait_after_forward``)."""
+        ctx = next((c for c in self._contexts if c.deferred), None)
+        if ctx is None:
+            self.wait_sparse_data_dist()
+            return
+        try:
+            self._prefetch(ctx)
+        except Exception as error:
+            add_note = getattr(error, "add_note", None)  # Python >= 3.11
+            if add_note is not None:
+                add_note(
+                    f"pipeline_stages: raised by SparseDataDistUtil's wait/prefetch of batch {ctx.index}, run "
+                    "after the previous batch's forward (wait_after_forward=True); that batch's own forward "
+                    "retries it"
+                )
+            raise
+
     def _wait(self, ctx: _BatchContext) -> None:
         with (
             record_function(f"## wait_sparse_data_dist {ctx.index} ##"),
@@ -367,6 +430,8 @@ class SparseDataDistUtil:
     def _model_pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Pick the context this forward consumes; drop stale ones (older than it)."""
         self._active = None
+        self._in_model_forward = True
+        self._consumed_in_forward = False
         if self._linked:
             seq, self._expected = self._expected, None
             ctx = self._context_of_seq(seq) if seq is not None else None
@@ -374,10 +439,7 @@ class SparseDataDistUtil:
                 # No batch handed out for this forward (eval, or a second forward of the batch): run plain.
                 self._active = _PLAIN
                 return
-            while self._contexts[0] is not ctx:  # contexts of batches returned but never forwarded
-                stale = self._contexts.popleft()
-                if stale.dist is None:
-                    self._wait(stale)
+            self._drop_older_than(ctx)  # contexts of batches returned but never forwarded
             self._active = ctx
             return
         if len(self._contexts) < 2:
@@ -398,12 +460,16 @@ class SparseDataDistUtil:
             if ctx is None:  # called outside a model forward (or the model's forward() called directly)
                 if self._linked:
                     ctx = self._context_of_seq(self._expected) if self._expected is not None else None
+                    if ctx is not None:
+                        self._drop_older_than(ctx)  # batches returned but never forwarded
                 else:
                     ctx = next((c for c in self._contexts if name not in c.consumed), None)
                 if ctx is None or name in ctx.consumed:
                     return
             elif ctx is _PLAIN or name in ctx.consumed:
                 return  # a forward the pipeline handed out no batch for, or a second call within one
+            if ctx.deferred:  # its previous batch's forward never ran (skipped): prefetch now
+                self._prefetch(ctx)
             if ctx.dist is None:
                 self._wait(ctx)
             assert ctx.dist is not None
@@ -415,6 +481,7 @@ class SparseDataDistUtil:
             self._modules[name].enqueue_pipelined_input(features)
             ctx.consumed.add(name)
             if len(ctx.consumed) == len(self._modules):
+                self._consumed_in_forward = True
                 if ctx in self._contexts:
                     self._contexts.remove(ctx)
                 if ctx.seq is not None and ctx.seq == self._expected:
@@ -424,8 +491,25 @@ class SparseDataDistUtil:
 
         return hook
 
+    def _drop_older_than(self, ctx: _BatchContext) -> None:
+        while self._contexts and self._contexts[0] is not ctx:
+            stale = self._contexts.popleft()
+            if stale.dist is None:
+                self._wait(stale)
+
+    def _module_post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """End of a sparse module's forward: outside a model forward, the point to prepare the next batch."""
+        if self._consumed_in_forward and not self._in_model_forward and self.wait_after_forward:
+            self._consumed_in_forward = False
+            self._after_forward()
+
     def _model_post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """After a forward: finish the next batch's dist (hidden behind this forward) and load its prefetch."""
+        """After a forward: prepare the next batch (hidden behind this forward) and load its prefetch."""
         self._active = None
-        self.wait_sparse_data_dist()
+        self._in_model_forward = False
+        consumed, self._consumed_in_forward = self._consumed_in_forward, False
+        if not self.wait_after_forward:
+            self.wait_sparse_data_dist()  # torchrec's choreography: after every forward
+        elif consumed:
+            self._after_forward()
         self.load_prefetch()
