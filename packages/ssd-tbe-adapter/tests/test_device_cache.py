@@ -25,8 +25,9 @@ from ssd_tbe_adapter import (
     TableSpec,
 )
 from ssd_tbe_adapter._device_cache import DeviceCache, _unique_pairs
-from ssd_tbe_adapter._host_tier import HostTier, TierRows
+from ssd_tbe_adapter._host_tier import HostTier, TierRows, rows_into
 from ssd_tbe_adapter._init import init_rows, table_salt
+from ssd_tbe_adapter._optimizer import RowOptimizer
 
 TABLES = [TableSpec("a", 8), TableSpec("b", 5)]
 FTM = [0, 1, 0]  # table "a" looked up by two features
@@ -125,22 +126,29 @@ def train(
     ahead: int,
     layout: str,
     weighted: bool,
+    pipelined: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Train over ``batches`` prefetching ``ahead`` batches ahead (0: none); outputs and psw gradients (CPU).
 
     ``layout``: ``"plain"`` (no VBE), ``"vbe"`` or ``"vbe_output"`` (blocks written into a larger buffer at
-    shuffled offsets; the gaps must stay untouched)."""
+    shuffled offsets; the gaps must stay untouched). ``pipelined``: each step's prefetch is issued after its
+    backward was queued, before anything reads a result (a train pipeline's order: on CUDA the prefetch, on
+    a side stream, runs while that backward may still update rows it may pick as victims).
+
+    On CUDA the side stream waits for the current one once, when the ids are on the device, and never again:
+    the module itself must order its row moves after the forward/backward in flight."""
     device = module.device
     on = [(b.indices.to(device), b.offsets.to(device), b.psw.to(device), b.sizes) for b in batches]
     cuda = device.type == "cuda"
     side = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(device))  # the ids are ready
 
     def prefetch(k: int) -> None:
         if k >= len(on):
             return
         indices, offsets, _, sizes = on[k]
         if side is not None:
-            side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 module.prefetch(indices, offsets, sizes)
         else:
@@ -150,7 +158,7 @@ def train(
         prefetch(k)
     outputs, grads = [], []
     for step, (indices, offsets, psw_values, sizes) in enumerate(on):
-        if ahead:
+        if ahead and not pipelined:
             prefetch(step + ahead)
         psw = psw_values.clone().requires_grad_(True) if weighted else None
         if layout == "vbe_output":
@@ -179,6 +187,8 @@ def train(
             mine = module(indices, offsets, psw, sizes)
         probe = torch.randn(mine.shape, generator=torch.Generator().manual_seed(1000 + step)).to(device)
         torch.autograd.backward((mine * probe).sum())
+        if ahead and pipelined:
+            prefetch(step + ahead)
         outputs.append(mine.detach().cpu())
         grads.append(psw.grad.cpu() if psw is not None and psw.grad is not None else torch.zeros(0))
     return outputs, grads
@@ -240,6 +250,7 @@ def check_against_both(
     pooling: str = "sum",
     fp16: bool = False,
     steps: int = 10,
+    pipelined: bool = False,
 ) -> KeyValueEmbeddingBags:
     """Train the device-cache module, the host-cache CPU module and the reference on the same batches; every
     output, psw gradient and final row agree. Returns the (closed) device-cache module for metric checks."""
@@ -248,7 +259,9 @@ def check_against_both(
     tol = 2e-3 if fp16 else 1e-5
     module = make_module(device, on_device=True, optimizer=optimizer, pooling=pooling, fp16=fp16, **tiers)  # type: ignore[arg-type]
     host = make_module("cpu", on_device=False, cache_rows=3, optimizer=optimizer, pooling=pooling, fp16=fp16)
-    got_out, got_grad = train(module, batches, ahead=ahead, layout=layout, weighted=weighted)
+    got_out, got_grad = train(
+        module, batches, ahead=ahead, layout=layout, weighted=weighted, pipelined=pipelined
+    )
     host_out, host_grad = train(host, batches, ahead=0, layout=layout, weighted=weighted)
     reference = Reference(optimizer, pooling, fp16)
     for step, b in enumerate(batches):
@@ -284,6 +297,14 @@ def test_device_cache_matches_host_path_and_reference(
     """Ten steps with tiny caches (~20 rows a batch, 3 features over 2 tables, weighted, row-wise Adagrad)
     give the reference's and the host-cache path's outputs, psw gradients and rows."""
     check_against_both("cpu", tiers, ahead=ahead, layout=layout)
+
+
+@pytest.mark.parametrize("ahead", [1, 2], ids=["ahead1", "ahead2"])
+@pytest.mark.parametrize("tiers", [t for _, t in TIERS], ids=[n for n, _ in TIERS])
+def test_device_cache_prefetch_after_backward_matches_reference(tiers: dict[str, object], ahead: int) -> None:
+    """Prefetches issued after each backward (its batch released: its slots may be the victims) give the
+    reference's and the host-cache path's outputs, psw gradients and rows."""
+    check_against_both("cpu", tiers, ahead=ahead, layout="vbe", pipelined=True)
 
 
 @pytest.mark.parametrize(
@@ -587,6 +608,99 @@ def test_device_cache_counts_every_lookup_of_a_hit() -> None:
     assert cache.stamp[again].tolist() == [2] * 6
 
 
+class _LoggedTier(HostTier):
+    """A host tier that logs its takes and gives into a shared list (with the keys asked / handed)."""
+
+    def __init__(self, log: list[str], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log = log
+
+    def take(self, tables: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> TierRows:
+        self.log.append("take")
+        return super().take(tables, ids, out)
+
+    def give(self, rows: TierRows) -> None:
+        self.log.append("give")
+        super().give(rows)
+
+
+def test_assignment_reads_below_before_waiting_for_rows_and_writes_after() -> None:
+    """The order the CUDA overlap rests on: the missing rows are taken from below before ``before_rows`` (the
+    wait for the forward/backward stream), the victims are handed down after it; a batch of hits never waits;
+    a growing scratch pool waits before it copies the rows; a host tier full of the rows coming up takes them
+    first, so the victims fit without pushing anything to the store, and every row keeps its values."""
+    log: list[str] = []
+    below = _RecordingTier()
+    lower = _LoggedTier(log, 3, [4], below, pin=False)
+    cache = DeviceCache([3], [4], torch.device("cpu"), lower, round_fp16=False)
+
+    def wait() -> None:
+        log.append("wait")
+
+    tables = torch.zeros(3, dtype=torch.int64)
+    # Rows 1, 2, 3 given to the host tier (full), rows 5, 6, 7 in the device cache (from below: -1).
+    lower.give(
+        TierRows(
+            tables=tables,
+            ids=torch.tensor([1, 2, 3]),
+            weights=torch.arange(12, dtype=torch.float32).reshape(3, 4),
+            state=torch.zeros(3),
+            dirty=torch.ones(3, dtype=torch.bool),
+        )
+    )
+    first = cache.assign(tables, torch.tensor([5, 6, 7]), tick=1, protect=1, before_rows=wait)
+    cache.update(first.unique_slots, torch.ones(3, 4), RowOptimizer("sgd", 1.0, 0.0))  # now dirty: -2
+    log.clear()
+    cache.assign(tables, torch.tensor([5, 6, 7]), tick=2, protect=2, before_rows=wait)
+    assert log == []  # hits only: nothing waits, nothing moves
+    got = cache.assign(tables, torch.tensor([3, 1, 2]), tick=3, protect=3, before_rows=wait)
+    assert log == ["take", "wait", "give"]
+    torch.testing.assert_close(
+        cache.weights.index_select(0, got.slots),
+        torch.arange(12, dtype=torch.float32).reshape(3, 4)[[2, 0, 1]],
+    )
+    assert below.given == set()  # the victims fit where the rows coming up were
+    assert lower.metrics.evicted_rows == 0
+    taken = lower.take(tables, torch.tensor([5, 6, 7]))
+    torch.testing.assert_close(taken.weights, torch.full((3, 4), -2.0))
+    assert bool(taken.dirty.all())
+    # Every own slot protected: the scratch pool grows, after the wait.
+    log.clear()
+    cache.assign(tables, torch.tensor([8, 9, 10]), tick=4, protect=3, before_rows=wait)
+    assert log[0] == "wait"
+    assert cache.metrics.scratch_rows == 3
+
+
+def test_host_tier_take_into_a_buffer_matches_a_plain_take() -> None:
+    """take(out=) writes the rows, state and dirty flags into the buffer, the same as a plain take, whether all,
+    some or none of the rows are held (the rest from below)."""
+    for held in (3, 1, 0):
+        tiers = []
+        for _ in range(2):
+            tier = HostTier(8, [4, 2], _RecordingTier(), pin=False)
+            if held:
+                tier.give(
+                    TierRows(
+                        tables=torch.tensor([0, 1, 0])[:held],
+                        ids=torch.tensor([4, 5, 6])[:held],
+                        weights=torch.arange(12, dtype=torch.float32).reshape(3, 4)[:held],
+                        state=torch.tensor([0.5, 1.5, 2.5])[:held],
+                        dirty=torch.tensor([True, False, True])[:held],
+                    )
+                )
+            tiers.append(tier)
+        asked = (torch.tensor([0, 1, 0]), torch.tensor([4, 5, 6]))
+        plain = tiers[0].take(*asked)
+        out = torch.full((3, 6), 9.0)
+        into = tiers[1].take(*asked, out=out)
+        torch.testing.assert_close(out[:, :4], plain.weights)
+        torch.testing.assert_close(out[:, 4], plain.state)
+        torch.testing.assert_close(out[:, 5], plain.dirty.to(torch.float32))
+        torch.testing.assert_close(into.weights, plain.weights)
+        assert torch.equal(into.dirty, plain.dirty)
+        assert into.weights.data_ptr() == out.data_ptr()
+
+
 def test_host_tier_matches_a_model_over_takes_gives_and_evictions() -> None:
     """HostTier (hash index with tombstones and rebuilds, free-slot stack, queue of given slots) against a dict:
     takes return the rows given (the rest from below), evictions take the least recently given rows and hand
@@ -660,15 +774,16 @@ class _RecordingTier:
     def __init__(self) -> None:
         self.given: set[tuple[int, int]] = set()
 
-    def take(self, tables: torch.Tensor, ids: torch.Tensor) -> TierRows:
+    def take(self, tables: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> TierRows:
         k = ids.numel()
-        return TierRows(
+        rows = TierRows(
             tables=tables,
             ids=ids,
             weights=torch.full((k, 4), -1.0),
             state=torch.zeros(k),
             dirty=torch.zeros(k, dtype=torch.bool),
         )
+        return rows_into(rows, out)
 
     def give(self, rows: TierRows) -> None:
         self.given |= {(int(t), int(i)) for t, i in zip(rows.tables.tolist(), rows.ids.tolist(), strict=True)}
@@ -694,15 +809,16 @@ class _NullTier:
 
     keeps_clean_rows = False
 
-    def take(self, tables: torch.Tensor, ids: torch.Tensor) -> TierRows:
+    def take(self, tables: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> TierRows:
         k = ids.numel()
-        return TierRows(
+        rows = TierRows(
             tables=tables,
             ids=ids,
             weights=torch.zeros(k, 4),
             state=torch.zeros(k),
             dirty=torch.zeros(k, dtype=torch.bool),
         )
+        return rows_into(rows, out)
 
     def give(self, rows: TierRows) -> None:
         del rows
@@ -857,7 +973,7 @@ def test_device_cache_step_makes_one_host_read_per_prefetch(host_reads: _HostRea
     """CPU guard of the CUDA sync budget: a prefetch with misses, DRAM-tier hits and evictions (the CUDA sync
     test's scenario, VBE) makes exactly one host read from the device-cache step, the slot counts (bad
     ``offsets`` ride on it: no copy of them), and nothing else that would sync on CUDA; forward and backward
-    after it make none. On CUDA the prefetch adds one wait for its missing keys and victims (not visible here)."""
+    after it make none. On CUDA the prefetch adds one wait for its victims (not visible here)."""
     gen = torch.Generator().manual_seed(3)
     module = make_module("cpu", on_device=True, cache_rows=3, host_cache_rows=40)
     sizes = [[8, 8], [8, 8], [8, 8]]
@@ -935,6 +1051,16 @@ def test_cuda_device_cache_matches_host_path_and_reference(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ahead", [1, 2], ids=["ahead1", "ahead2"])
+@pytest.mark.parametrize("tiers", [t for _, t in TIERS], ids=[n for n, _ in TIERS])
+def test_cuda_prefetch_after_backward_matches_reference(tiers: dict[str, object], ahead: int) -> None:
+    """On CUDA, each prefetch issued on a side stream right after its step's backward was queued (no wait for
+    it by the caller: the prefetch's victims may be rows that backward still updates) gives the reference's
+    outputs, psw gradients and rows: the module waits for the backward before it moves rows."""
+    check_against_both("cuda", tiers, ahead=ahead, layout="vbe", pipelined=True, steps=16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("optimizer", "pooling", "fp16"),
     [("sgd", "mean", True), ("rowwise_adagrad", "sum", True), ("rowwise_adagrad", "mean", False)],
@@ -978,8 +1104,8 @@ def test_cuda_prefetched_step_has_no_host_sync() -> None:
 @pytest.mark.gpu
 def test_cuda_prefetch_with_misses_syncs_at_most_twice() -> None:
     """A prefetch that moves rows both ways (misses read from the DRAM tier and the store, victims handed down)
-    syncs with the host at most twice: the assignment's counts (the `offsets` checks ride on them) and the wait
-    for the missing keys and victims (before: ~16, then 4-5 from element writes and the plan's `offsets` copy)."""
+    syncs with the host at most twice: the assignment's counts (the `offsets` checks and the missing keys ride on
+    them) and the wait for the victims (before: ~16, then 4-5 from element writes and the plan's `offsets` copy)."""
     gen = torch.Generator().manual_seed(3)
     module = make_module("cuda", on_device=True, cache_rows=3, host_cache_rows=40)
     bags = 16 * len(FTM)

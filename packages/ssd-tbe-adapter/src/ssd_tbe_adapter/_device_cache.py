@@ -18,10 +18,20 @@ row look absent (probability ~``S * N / 2**64`` per batch, ``S`` slots, ``N`` lo
 sort after each assignment that moved rows.
 
 Host syncs happen only in :meth:`DeviceCache.assign` (the prefetch, or a forward without one), at most two:
-one read of its counts (unique rows, misses, scratch overflow), and with misses one wait for a single
-device-to-host copy of the missing ids and the victims' rows (into reused pinned buffers; the rows read from
-below go up in one copy nothing waits for). Everything before the counts works on arrays padded to the batch's
-lookups, so no shape depends on data until then.
+one read of its counts (unique rows, misses, scratch overflow) that also brings the missing keys (copied, padded
+to the batch's lookups, into a reused pinned buffer just before), and with misses one wait for a single
+device-to-host copy of the victims' keys, flags and rows (the rows read from below go up in one copy nothing
+waits for). Everything before the counts works on arrays padded to the batch's lookups, so no shape depends on
+data until then.
+
+Streams (CUDA): the slot metadata (index, ``(table, id)``, valid, stamps, use counts) is written only by
+:meth:`DeviceCache.assign` (and ``clear``); a forward reads only ``weights`` and a backward
+(:meth:`DeviceCache.update`) writes only ``weights``, ``state`` and ``dirty`` (and reads its own slots'
+tables). So the lookup, hit/miss split, victim choice, the counts and missing-keys read and the reads from
+the tiers below (host work) need not wait for a forward/backward in flight on another stream; ``assign``
+calls its ``before_rows`` (the caller's wait for that stream) only before it reads victims' rows / flags or
+writes into slots (a victim may be a slot whose batch's backward was issued but still runs: released at issue),
+and before the scratch pool grows (the copy reads every row).
 """
 
 from __future__ import annotations
@@ -213,6 +223,12 @@ class DeviceCache:
         self._rebuild_index()
 
     def _rebuild_index(self) -> None:
+        if self.device.type == "cuda" and hasattr(self, "sorted_keys"):
+            # The old index may have been made on another stream (prefetch vs. a forward without one): its
+            # memory is not reused before this stream's reads of it are done.
+            stream = torch.cuda.current_stream(self.device)
+            self.sorted_keys.record_stream(stream)
+            self.sorted_slots.record_stream(stream)
         keys = torch.where(self.valid, hash_keys(self.slot_tables, self.slot_ids), _MAX_KEY)
         self.sorted_keys, self.sorted_slots = torch.sort(keys)
 
@@ -244,6 +260,7 @@ class DeviceCache:
         *,
         checks: torch.Tensor | None = None,
         verify: Callable[[list[int]], None] | None = None,
+        before_rows: Callable[[], None] | None = None,
     ) -> Assignment:
         """Slots for every lookup ``(tables[i], ids[i])`` (``[N]`` int64, device): hits are touched at ``tick``,
         unique misses are read from the tier below into free or evicted slots (victims: the least used, then
@@ -254,10 +271,14 @@ class DeviceCache:
         counts and handed to ``verify`` before anything changes here: ``verify`` may raise (bad input), and then
         no slot, row, stamp or use count moved.
 
+        ``before_rows`` (e.g. the current stream waiting for the forward/backward stream) is called before the
+        first read of a row, optimizer state or dirty flag in the cache and before the first write into a
+        slot; everything before it touches only the slot metadata, which no forward/backward writes.
+
         Host syncs: one read of four counts (unique rows, misses, scratch overflow, free scratch slots) plus
-        ``checks``; with misses, one wait for the missing keys and the victims' rows (one device-to-host copy
-        into reused pinned buffers). The rows read from below go up in one host-to-device copy that nothing
-        waits for.
+        ``checks``, with the missing keys in a copy queued before it; with misses, one wait for the victims'
+        keys and rows (one device-to-host copy into reused pinned buffers). The rows read from below go up in
+        one host-to-device copy that nothing waits for.
         """
         self.metrics.assigns += 1
         n = ids.numel()
@@ -276,6 +297,17 @@ class DeviceCache:
         touched = torch.where(hit & real, slots, self.trash)  # unique slots; the trash slot takes the rest
         held = torch.zeros_like(self.valid).index_fill_(0, touched, True)
         chosen, overflowing, scratch_free = self._choose(u_tables, miss, protect, held)
+        # Positions of the misses among the pairs (ascending) at the front of `at` (zeros after them), and
+        # their keys copied to the host ahead of the counts' read (which waits for it: same stream), so the
+        # tiers below can be asked before anything waits for the forward/backward stream.
+        rank = torch.cumsum(miss, 0) - 1
+        at = torch.zeros(n + 1, dtype=torch.int64, device=self.device).index_copy_(
+            0, torch.where(miss, rank, n), torch.arange(n, device=self.device)
+        )
+        host_missing = self._staging("missing", n, 2, torch.int64)
+        host_missing.copy_(
+            torch.stack([u_tables, u_ids], 1).index_select(0, at[:n]), non_blocking=self.device.type == "cuda"
+        )
         scalars = [unique, miss.sum(), overflowing.sum(), scratch_free]
         read = torch.cat([torch.stack(scalars), checks]) if checks is not None else torch.stack(scalars)
         values = [int(c) for c in read.tolist()]  # host sync: the only one before the rows move
@@ -288,14 +320,17 @@ class DeviceCache:
         if m:
             self.metrics.assigns_with_misses += 1
             if overflow:
-                chosen = self._overflow(chosen, overflowing, overflow, free, protect)
-            # Positions of the misses among the pairs (ascending), without a sync: m is known.
-            rank = torch.cumsum(miss, 0) - 1
-            at = torch.empty(m + 1, dtype=torch.int64, device=self.device).index_copy_(
-                0, torch.where(miss, rank, m), torch.arange(n, device=self.device)
-            )[:m]
+                chosen = self._overflow(chosen, overflowing, overflow, free, protect, before_rows)
+            at = at[:m]
             new_slots = chosen.index_select(0, at)
-            self._move_in(new_slots, u_tables.index_select(0, at), u_ids.index_select(0, at), tick)
+            self._move_in(
+                new_slots,
+                u_tables.index_select(0, at),
+                u_ids.index_select(0, at),
+                host_missing[:m],
+                tick,
+                before_rows,
+            )
             slots = slots.index_copy(0, at, new_slots)
         unique_slots = slots[:u]
         self.metrics.lookups += u
@@ -361,12 +396,20 @@ class DeviceCache:
         return chosen, miss & ~in_region, scratch_free
 
     def _overflow(
-        self, chosen: torch.Tensor, overflowing: torch.Tensor, overflow: int, free: int, protect: int
+        self,
+        chosen: torch.Tensor,
+        overflowing: torch.Tensor,
+        overflow: int,
+        free: int,
+        protect: int,
+        before_rows: Callable[[], None] | None,
     ) -> torch.Tensor:
         """``chosen`` with scratch slots for the ``overflow`` misses marked in ``overflowing`` (the pool grown
-        first when fewer than that are ``free``)."""
+        first when fewer than that are ``free``: after ``before_rows``, the copy reads every row)."""
         region = self.region_size
         if free < overflow:
+            if before_rows is not None:
+                before_rows()
             scratch = self.slots - region
             self._allocate(self.slots + max(overflow - free, scratch), keep=True)
         scratch_order = torch.argsort(self._priorities(region, self.slots, protect)) + region
@@ -384,76 +427,85 @@ class DeviceCache:
             self._buffers[name] = buffer
         return buffer[:rows]
 
-    def _move_in(self, slots: torch.Tensor, tables: torch.Tensor, ids: torch.Tensor, tick: int) -> None:
-        """Evict what ``slots`` (``[M]``, distinct) hold (down to the tier below), then read ``(tables, ids)``
-        into them.
+    def _move_in(
+        self,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        ids: torch.Tensor,
+        host_keys: torch.Tensor,
+        tick: int,
+        before_rows: Callable[[], None] | None,
+    ) -> None:
+        """Read ``(tables, ids)`` (``[M]`` device; ``host_keys`` ``[M, 2]`` the same on the host) from the tier
+        below into ``slots`` (``[M]``, distinct), evicting what they hold (down to the tier below).
 
-        One device-to-host copy carries the missing keys and every victim slot's key, flags and row (two
-        reused pinned buffers, then one wait); the victims are picked out on the host. Failure-safe order (a
-        store call may raise): the victims are handed down first and only then forgotten here, and the
-        missing rows are read before anything is written into their slots. A failing write-back leaves this
-        tier unchanged (the victims still hold their rows); a failing read leaves the victims' rows below and
-        their slots free. Either way every row lives in exactly one tier.
+        Order: the missing rows are read from below first (host work, written straight into the pinned
+        staging buffer, and sent up) without waiting for anything on the device; then ``before_rows``; then
+        one device-to-host copy carries every victim slot's key, flags and row (one wait), the victims are
+        picked out on the host and handed down, and only then are the slots written.
+
+        Failure-safe (a store call may raise): a failing read changes no tier; a failing write-back hands the
+        rows just taken back down (the dirty ones: they fit in the slots the take freed, so that can't call the
+        store; clean ones are in the store already) and leaves this tier unchanged (the victims still hold
+        their rows). Either way every row lives in exactly one tier.
         """
         m, dmax, device = ids.numel(), self.dmax, self.device
         cuda = device.type == "cuda"
+        up = self._staging("up", m, dmax + 2, torch.float32)
+        if cuda and self._up_event is not None and not self._up_event.query():
+            self._up_event.synchronize()  # the last copy out of `up` (normally long done: an earlier prefetch)
+        fetched = self.lower.take(host_keys[:, 0].clone(), host_keys[:, 1].clone(), out=up)
+        # The copy up touches no cache state: it may run while a backward still updates the victims.
+        moved = up.to(device, non_blocking=True) if cuda else up
+        if cuda:
+            self._up_event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+            self._up_event.record(torch.cuda.current_stream(device))
+        if before_rows is not None:
+            before_rows()  # victims' rows and dirty flags below; writes into the slots after
         flags = self.valid.index_select(0, slots).to(torch.int64) | (
             self.dirty.index_select(0, slots).to(torch.int64) << 1
         )
         keys = torch.stack(
-            [
-                tables,
-                ids,
-                self.slot_tables.index_select(0, slots),
-                self.slot_ids.index_select(0, slots),
-                flags,
-            ],
-            1,
+            [self.slot_tables.index_select(0, slots), self.slot_ids.index_select(0, slots), flags], 1
         )
         rows = torch.cat([self.weights.index_select(0, slots), self.state.index_select(0, slots)[:, None]], 1)
-        host_keys = self._staging("keys", m, 5, torch.int64)
+        host_keys = self._staging("keys", m, 3, torch.int64)
         host_rows = self._staging("down", m, dmax + 1, torch.float32)
         host_keys.copy_(keys, non_blocking=cuda)
         host_rows.copy_(rows, non_blocking=cuda)
         if cuda:
-            torch.cuda.current_stream(device).synchronize()  # host sync: the missing keys and the victims
-        self.metrics.bytes_to_host += m * (5 * 8 + (dmax + 1) * 4)
+            torch.cuda.current_stream(device).synchronize()  # host sync: the victims
+        self.metrics.bytes_to_host += m * (3 * 8 + (dmax + 1) * 4)
         keys_np, rows_np = host_keys.numpy(), host_rows.numpy()  # numpy: faster row picks on the host
-        host_flags = keys_np[:, 4]
+        host_flags = keys_np[:, 2]
         occupied = (host_flags & 1).astype(np.bool_)
         handed = occupied if self.lower.keeps_clean_rows else (host_flags == 3)
         evicted = int(occupied.sum())
         if evicted:
             picked = np.flatnonzero(handed)
             if picked.shape[0]:
+                # Every slot handed down (a host tier's steady state): views of the staging buffers, no copy
+                # before the tier's own.
+                every = picked.shape[0] == m
                 victims = TierRows(
-                    tables=torch.from_numpy(keys_np[picked, 2]),
-                    ids=torch.from_numpy(keys_np[picked, 3]),
-                    weights=torch.from_numpy(rows_np[picked, :dmax]),
-                    state=torch.from_numpy(rows_np[picked, dmax]),
+                    tables=torch.from_numpy(keys_np[:, 0] if every else keys_np[picked, 0]),
+                    ids=torch.from_numpy(keys_np[:, 1] if every else keys_np[picked, 1]),
+                    weights=torch.from_numpy(rows_np[:, :dmax] if every else rows_np[picked, :dmax]),
+                    state=torch.from_numpy(rows_np[:, dmax] if every else rows_np[picked, dmax]),
                     dirty=torch.from_numpy((host_flags[picked] & 2).astype(np.bool_)),
                 )
-                self.lower.give(victims)
+                try:
+                    self.lower.give(victims)
+                except BaseException:
+                    if bool(fetched.dirty.any()):
+                        self.lower.give(fetched.select(fetched.dirty))
+                    raise
                 self.metrics.written_back_rows += int(np.count_nonzero(host_flags[picked] == 3))
             self.metrics.evicted_rows += evicted
             self._evicted_since_aging += evicted
             if self._evicted_since_aging >= self.aging_turnovers * max(self.slots, 1):
                 self.uses.bitwise_right_shift_(1)  # old popularity fades
                 self._evicted_since_aging = 0
-            # The index may still list them until the rebuild below: lookups check `valid`.
-            self.valid.index_fill_(0, slots, False)
-            self.dirty.index_fill_(0, slots, False)
-        fetched = self.lower.take(host_keys[:, 0].clone(), host_keys[:, 1].clone())
-        up = self._staging("up", m, dmax + 2, torch.float32)
-        if cuda and self._up_event is not None and not self._up_event.query():
-            self._up_event.synchronize()  # the last copy out of `up` (normally long done: an earlier prefetch)
-        up[:, :dmax] = fetched.weights
-        up[:, dmax] = fetched.state
-        up[:, dmax + 1] = fetched.dirty
-        moved = up.to(device, non_blocking=True) if cuda else up
-        if cuda:
-            self._up_event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-            self._up_event.record(torch.cuda.current_stream(device))
         self.weights.index_copy_(0, slots, moved[:, :dmax])
         self.state.index_copy_(0, slots, moved[:, dmax])
         self.dirty.index_copy_(0, slots, moved[:, dmax + 1] != 0)

@@ -15,8 +15,14 @@
 Protection: every prefetched or forwarded batch holds a tick until its backward ran (or its graph died, or
 at once for a forward without autograd); slots touched at or after the oldest held tick are never victims,
 so the slots a batch was given stay its rows' home until its update is applied. Streams (CUDA): prefetch
-runs on the stream current at its call (the pipeline's prefetch stream) and waits for the last
-forward/backward's work; forward and backward wait for the last prefetch's work.
+runs on the stream current at its call (the pipeline's prefetch stream). It waits for the last assignment's
+work (the slot metadata it wrote, whatever stream it ran on) at once, but for the last forward/backward's work
+only before it reads victims' rows or writes into slots (:meth:`DeviceCache.assign`'s ``before_rows``): a
+backward writes rows, optimizer state and dirty flags, never the slot metadata, and a batch's slots are
+released when its backward is *issued*, so a victim may be a slot that backward is still updating. The id
+lookup, victim choice, the counts and missing-keys read and the tiers' host work below thus overlap a
+backward in flight on the main stream. Forward and backward wait for the last prefetch's work. The ids and
+offsets handed to prefetch must be ready on its stream (the pipeline's handoff).
 """
 
 from __future__ import annotations
@@ -238,6 +244,7 @@ class DevicePath:
         self._pending.clear()
         self._open.clear()
         self.cache.clear()
+        self._record_insert()  # the metadata cleared here: the next assignment waits for it
 
     def load_host_tier(self, table: int, ids: torch.Tensor) -> None:
         """Read the rows of ``ids`` (``[K]`` int64 host, unique, not cached yet) from the store into the host
@@ -325,7 +332,7 @@ class DevicePath:
         The values of ``offsets`` are checked on the device and read with the assignment's counts; bad ones
         raise :class:`InvalidArgumentError` before anything moved. Until then every kernel is safe whatever
         ``offsets`` holds (bags by ``searchsorted``, clamped)."""
-        self._wait_main()
+        self._wait_insert()  # the slot metadata the last assignment wrote (on another stream, maybe)
         lookups = indices.numel()
         bag_of_lookup = _bag_of_lookup(offsets, lookups)
         tables = self._table_of_bags(plan).index_select(0, bag_of_lookup)
@@ -343,7 +350,13 @@ class DevicePath:
         protect = min(self._open)
         try:
             assignment = self.cache.assign(
-                tables, indices.to(torch.int64), tick, protect, checks=checks, verify=verify
+                tables,
+                indices.to(torch.int64),
+                tick,
+                protect,
+                checks=checks,
+                verify=verify,
+                before_rows=self._wait_main,
             )
         except BaseException:
             self._open.discard(tick)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,7 +25,7 @@ from ssd_tbe_adapter._records import RecordLayout
 from ssd_tbe_adapter._tier import CacheTier
 from ssd_tbe_adapter.errors import InvalidArgumentError
 
-__all__ = ["HostTier", "RowTier", "StoreTier", "TierMetrics", "TierRows"]
+__all__ = ["HostTier", "RowTier", "StoreTier", "TierMetrics", "TierRows", "rows_into"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -90,8 +90,12 @@ class RowTier(Protocol):
     keeps_clean_rows: bool
     """Whether handing down clean rows is useful (a cache); the store only wants dirty rows."""
 
-    def take(self, tables: torch.Tensor, ids: torch.Tensor) -> TierRows:
-        """The rows of ``(tables[i], ids[i])`` (host int64, unique pairs), in that order; removes them here."""
+    def take(self, tables: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> TierRows:
+        """The rows of ``(tables[i], ids[i])`` (host int64, unique pairs), in that order; removes them here.
+
+        ``out`` (optional ``[K, D_max + 2]`` float32 host buffer, e.g. the device cache's pinned staging): the
+        rows are written into it (weights, state, dirty as 0/1) and the returned weights / state are views of
+        it, so the caller need not copy them again."""
         ...
 
     def give(self, rows: TierRows) -> None:
@@ -134,6 +138,17 @@ def _table_runs(tables: torch.Tensor, count: int) -> list[tuple[int, torch.Tenso
     return runs
 
 
+def rows_into(rows: TierRows, out: torch.Tensor | None) -> TierRows:
+    """``rows`` as written into ``out`` (see :meth:`RowTier.take`), or unchanged when ``out`` is ``None``."""
+    if out is None:
+        return rows
+    dmax = out.shape[1] - 2
+    out[:, :dmax] = rows.weights
+    out[:, dmax] = rows.state
+    out[:, dmax + 1] = rows.dirty
+    return replace(rows, weights=out[:, :dmax], state=out[:, dmax])
+
+
 class StoreTier:
     """The key-value store as a tier: reads initialise absent rows; writes encode the records.
 
@@ -157,12 +172,16 @@ class StoreTier:
         self._pin = pin
         self.metrics = TierMetrics()
 
-    def take(self, tables: torch.Tensor, ids: torch.Tensor) -> TierRows:
-        """Rows from the store, initialised where absent (clean)."""
+    def take(self, tables: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> TierRows:
+        """Rows from the store, initialised where absent (clean); written straight into ``out`` if given."""
         start = time.perf_counter()
         k = ids.numel()
-        weights = torch.zeros(k, self._dmax, dtype=torch.float32)
-        state = torch.zeros(k, dtype=torch.float32)
+        if out is None:
+            weights = torch.zeros(k, self._dmax, dtype=torch.float32)
+            state = torch.zeros(k, dtype=torch.float32)
+        else:
+            out.zero_()  # the padding past each table's D, and clean rows
+            weights, state = out[:, : self._dmax], out[:, self._dmax]
         weights_np, state_np = weights.numpy(), state.numpy()  # numpy: faster row scatters on the host
         for table, positions in _table_runs(tables, len(self._dims)):
             w, s = self._tier.read_rows(table, ids.index_select(0, positions))
@@ -382,8 +401,9 @@ class HostTier:
         ].copy()
         return slots
 
-    def take(self, tables: torch.Tensor, ids: torch.Tensor) -> TierRows:
-        """Rows from here where held (removed here), the rest from ``lower``; in the order asked."""
+    def take(self, tables: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> TierRows:
+        """Rows from here where held (removed here), the rest from ``lower``; in the order asked (written
+        straight into ``out`` if given: one gather, no second copy)."""
         start = time.perf_counter()
         k = ids.numel()
         slots, at = self._index.find(tables.numpy(), ids.numpy())
@@ -392,7 +412,26 @@ class HostTier:
         missing = np.flatnonzero(~found)
         # Read the rest first: a failing store read leaves this tier unchanged.
         below = self._lower.take(tables[missing], ids[missing]) if missing.shape[0] else None
-        if n_found == k:  # every row here (the DRAM tier's steady state): one gather
+        if out is not None:
+            out_np = out.numpy()
+            weights_np, state_np = out_np[:, : self._dmax], out_np[:, self._dmax]
+            dirty_np = np.zeros(k, dtype=np.bool_)
+            if n_found == k:  # every row here (the DRAM tier's steady state): one gather into `out`
+                np.take(self._weights_np, slots, axis=0, out=weights_np, mode="clip")
+                np.take(self._state_np, slots, out=state_np, mode="clip")
+                dirty_np[:] = self.dirty[slots]
+            else:
+                if n_found:
+                    hit_pos, held = np.flatnonzero(found), slots[found]
+                    weights_np[hit_pos] = self._weights_np[held]
+                    state_np[hit_pos] = self._state_np[held]
+                    dirty_np[hit_pos] = self.dirty[held]
+                if below is not None:
+                    weights_np[missing] = below.weights.numpy()
+                    state_np[missing] = below.state.numpy()
+                    dirty_np[missing] = below.dirty.numpy()
+            out_np[:, self._dmax + 1] = dirty_np
+        elif n_found == k:  # every row here (the DRAM tier's steady state): one gather
             weights_np, state_np, dirty_np = self._weights_np[slots], self._state_np[slots], self.dirty[slots]
         else:
             weights_np = np.empty((k, self._dmax), dtype=np.float32)
@@ -407,7 +446,10 @@ class HostTier:
                 weights_np[missing] = below.weights.numpy()
                 state_np[missing] = below.state.numpy()
                 dirty_np[missing] = below.dirty.numpy()
-        weights, state = torch.from_numpy(weights_np), torch.from_numpy(state_np)
+        if out is not None:
+            weights, state = out[:, : self._dmax], out[:, self._dmax]
+        else:
+            weights, state = torch.from_numpy(weights_np), torch.from_numpy(state_np)
         dirty = torch.from_numpy(dirty_np)
         if n_found:
             held = slots[found]

@@ -24,6 +24,9 @@ These four use the host-managed cache (``cache_on_device=False``). With the devi
 - ``kv-device-dram-prefetch``: RocksDB behind a host-DRAM tier loaded with every row before the warm-up
   (``host_cache_rows`` = all rows of the tables), so in steady state no store traffic.
 
+With ``--pipelined`` (CUDA) these three issue ``prefetch(batch i+1)`` on a side stream after ``forward(batch i)``
+and its backward are queued instead (a train pipeline's order: the prefetch can overlap the backward).
+
 After those, without compute (host only):
 
 - ``store-io-floor``: per step, exactly as many RocksDB rows read and written as ``kv-prefetch`` measured per
@@ -151,9 +154,18 @@ def _timed(device: torch.device, step: Callable[[], None]) -> float:
 
 
 def run_case(
-    case: Case, device: torch.device, workdir: Path, only: set[str] | None = None
+    case: Case,
+    device: torch.device,
+    workdir: Path,
+    only: set[str] | None = None,
+    *,
+    pipelined: bool = False,
 ) -> list[dict[str, Any]]:
-    """Every implementation of one case (or those named in ``only``), interleaved; one result row each."""
+    """Every implementation of one case (or those named in ``only``), interleaved; one result row each.
+
+    ``pipelined`` (CUDA): the device-cache rows issue ``prefetch(batch k+1)`` on a side stream *after*
+    ``forward(batch k)`` and its backward are queued on the current stream, as a train pipeline's prefetch
+    stage does, so that the prefetch's host work can overlap the backward on the GPU (same work per step)."""
     torch.manual_seed(0)
     batches = _zipf_batches(case, case.warmup + case.steps + 1, seed=_SEED)
     batches = [(i.to(device), o.to(device)) for i, o in batches]
@@ -213,9 +225,17 @@ def run_case(
         indices, offsets = batches[k]
         modules["kv-sync"](indices, offsets).sum().backward()
 
+    side = torch.cuda.Stream(device) if pipelined and device.type == "cuda" else None  # type: ignore[no-untyped-call]
+
     def prefetch_step(name: str, k: int) -> None:
         module = modules[name]
         indices, offsets = batches[k]
+        if side is not None and name in DEVICE_ROWS:
+            module(indices, offsets).sum().backward()
+            with torch.cuda.stream(side):
+                module.prefetch(*batches[k + 1])
+            module.wait_prefetch()
+            return
         module.prefetch(*batches[k + 1])
         module(indices, offsets).sum().backward()
         module.wait_prefetch()
@@ -464,6 +484,12 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated implementations to run (default: all; fbgemm-tbe runs whenever importable; "
         f"{FLOOR} needs kv-prefetch)",
     )
+    parser.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="CUDA: the kv-device-* rows prefetch batch k+1 on a side stream after batch k's backward is "
+        "queued (a train pipeline's order; lets the prefetch overlap the backward)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -477,7 +503,11 @@ def main(argv: list[str] | None = None) -> None:
     load_before = _load_average()
     try:
         only = set(args.only.split(",")) if args.only else None
-        results = [row for case in cases for row in run_case(case, device, workdir / case.name, only)]
+        results = [
+            row
+            for case in cases
+            for row in run_case(case, device, workdir / case.name, only, pipelined=args.pipelined)
+        ]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     _print_table(results, device)
@@ -493,7 +523,8 @@ def main(argv: list[str] | None = None) -> None:
             + (" --quick" if args.quick else "")
             + (f" --threads {args.threads}" if args.threads else "")
             + (f" --steps {args.steps}" if args.steps else "")
-            + (f" --only {args.only}" if args.only else ""),
+            + (f" --only {args.only}" if args.only else "")
+            + (" --pipelined" if args.pipelined else ""),
             "threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
             # 1-minute load average of the host before and after the run (shared CI boxes are noisy).
