@@ -50,7 +50,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from examples.dlrm.data import SPARSE_FEATURES, DLRMBatch, SyntheticCriteo
 from examples.dlrm.model import MLP, DLRMHead
-from examples.dlrm.train import TrainConfig, train
+from examples.dlrm.train import TrainConfig, dense_optimizer, train
 
 __all__ = ["main"]
 
@@ -298,7 +298,7 @@ def _torchrec(bench: BenchConfig, *, pipeline: bool, cat: bool = False) -> list[
     plan = planner.collective_plan(unsharded, [EmbeddingBagCollectionSharder()], dist.group.WORLD)
     model = DistributedModelParallel(unsharded, device=device, plan=plan)
     dense_params = [p for n, p in model.named_parameters() if "sparse_arch" not in n]
-    optimizer = torch.optim.Adagrad(dense_params, lr=config.dense_lr, foreach=True)
+    optimizer = dense_optimizer(dense_params, lr=config.dense_lr, device=device)  # the same as ours
 
     def to_torchrec(b: DLRMBatch) -> Any:
         features = b.sparse_features

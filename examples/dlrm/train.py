@@ -191,6 +191,16 @@ def _device(config: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def dense_optimizer(
+    params: list[torch.nn.Parameter], *, lr: float, device: torch.device
+) -> torch.optim.Adagrad:
+    """The dense Adagrad: fused on CUDA (two kernels per step for all parameters: on the H200 the foreach
+    step cost ~0.6 ms of host time per step), foreach on CPU."""
+    if device.type == "cuda":
+        return torch.optim.Adagrad(params, lr=lr, fused=True)
+    return torch.optim.Adagrad(params, lr=lr, foreach=True)
+
+
 def _batches(
     config: TrainConfig,
     rank: int,
@@ -379,7 +389,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         seed=config.seed,
     ).to(device)
     dense_params = model.dense_parameters()
-    optimizer = torch.optim.Adagrad(dense_params, lr=config.dense_lr, foreach=True)
+    optimizer = dense_optimizer(dense_params, lr=config.dense_lr, device=device)
     if config.graph_dense and device.type == "cuda":
         # The dense part as CUDA graph replays (one per padded batch size): host work under GPU work.
         low = config.batch_size if config.min_batch_size is None else config.min_batch_size
