@@ -26,6 +26,7 @@ __all__ = [
     "build_plan_data",
     "decode_torch_meta",
     "make_tensors",
+    "whole_input_runs",
 ]
 
 BACKEND_IDS = {"torch": 0, "fbgemm": 1, "triton": 2}
@@ -350,3 +351,39 @@ def build_plan(
 ) -> Plan:
     """The plan of ``spec`` for ``backend`` with its index tensors on ``device``."""
     return build_plan_data(spec, backend, key_dim, dtype).materialize(device)
+
+
+def whole_input_runs(
+    keys: Sequence[Sequence[str]], groups: Sequence[Sequence[str]]
+) -> tuple[tuple[int, ...], ...] | None:
+    """Per group, the inputs whose keys, laid end to end in order, are exactly the group; else ``None``.
+
+    Then every group is a ``torch.cat`` of whole inputs (its backward: views of the gradient, no kernel).
+    ``None`` unless every key name is unique over all inputs, every group is such a run and every input is
+    in some group (an input in no group must get a zero gradient, which a ``cat`` would not give).
+    """
+    flat = [k for input_keys in keys for k in input_keys]
+    if len(set(flat)) != len(flat):
+        return None
+    first_key = {input_keys[0]: i for i, input_keys in enumerate(keys) if len(input_keys)}
+    runs: list[tuple[int, ...]] = []
+    used: set[int] = set()
+    for group in groups:
+        run: list[int] = []
+        at = 0
+        while at < len(group):
+            i = first_key.get(group[at])
+            if i is None:
+                return None
+            width = len(keys[i])
+            if tuple(group[at : at + width]) != tuple(keys[i]):
+                return None
+            run.append(i)
+            at += width
+        if not run:
+            return None
+        runs.append(tuple(run))
+        used.update(run)
+    if len(used) != sum(1 for input_keys in keys if len(input_keys)) or any(not len(k) for k in keys):
+        return None
+    return tuple(runs)

@@ -12,7 +12,7 @@ from torch import nn
 
 from kt_regroup._backend import resolve_backend
 from kt_regroup._ops import PlanArgs, run_permute
-from kt_regroup._plan import Plan, PlanData, build_plan, build_plan_data, make_tensors
+from kt_regroup._plan import Plan, PlanData, build_plan, build_plan_data, make_tensors, whole_input_runs
 from kt_regroup._spec import (
     InputLayout,
     as_lengths,
@@ -263,6 +263,9 @@ class _LayoutKey(tuple[Any, ...]):
 class _CachedPlan:
     buffers: tuple[str, ...]
     plan: Plan  # the plan's tensors live in the module's buffers (moved by .to()); these are not used
+    # Per group, the inputs it concatenates whole (``backend="auto"`` only): then a ``torch.cat``, whose
+    # backward is views of the gradient, replaces the permute kernels.
+    concat: tuple[tuple[int, ...], ...] | None = None
 
 
 class KTRegroupAsDict(nn.Module):
@@ -325,7 +328,12 @@ class KTRegroupAsDict(nn.Module):
             name = f"_kt_plan_{slot}_{index}"
             self.register_buffer(name, tensor, persistent=False)
             names.append(name)
-        cached = _CachedPlan(tuple(names), plan)
+        from kt_regroup import _env
+
+        concat = None
+        if self._backend == "auto" and _env.BACKEND.get() in ("", "auto"):
+            concat = whole_input_runs(layout.keys, self._groups)
+        cached = _CachedPlan(tuple(names), plan, concat)
         self._plans[key] = cached
         self._eager_args[key] = _args(plan, [getattr(self, name) for name in names])
         return cached
@@ -360,6 +368,12 @@ class KTRegroupAsDict(nn.Module):
         plan = cached.plan
         if not plan.out_lengths:
             return {}
+        if cached.concat is not None:
+            values = [kt.values() for kt in keyed_tensors]
+            return {
+                name: torch.cat([values[i] for i in run], dim=plan.key_dim)
+                for name, run in zip(self._keys, cached.concat, strict=True)
+            }
         if torch.compiler.is_compiling():
             # Read the buffers through the module so dynamo / export see them as buffers.
             args = _args(plan, [getattr(self, name) for name in cached.buffers])
