@@ -17,7 +17,9 @@ dependency: when it does not import, its rows are reported as skipped.
 Each run trains ``warmup + steps + profile_steps`` steps. Throughput: a device sync after step ``warmup`` and after
 step ``warmup + steps`` (counted at the dense optimizer's step), samples of those steps over the wall time between.
 GPU busy: a torch.profiler window over the next ``profile_steps`` steps, the union of kernel / memcpy / memset
-intervals over the window's wall time. Implementations run interleaved, ``--reps`` times; medians are reported.
+intervals over the window's wall time (the profiler's host cost stretches those steps, so this fraction is low),
+and that GPU time per step over the step time measured without the profiler (``gpu_busy_unprofiled``).
+Implementations run interleaved, ``--reps`` times; medians are reported.
 
 Under torchrun (``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` set) every rank trains on its own batches (the
 trainer's synthetic stream of that rank), torchrec's planner gets a topology of the world size, and the
@@ -108,10 +110,11 @@ class _Window:
             torch.cuda.synchronize()
 
 
-def _busy_fraction(trace: str) -> float:
-    """Union of GPU kernel / memcpy / memset intervals over the span of the trace's GPU and CPU-op events."""
+def _gpu_busy(trace: str) -> tuple[float, float]:
+    """The union of GPU kernel / memcpy / memset intervals: as a fraction of the span of the trace's GPU and
+    CPU-op events, and in milliseconds (summed over the window's steps)."""
     if not trace:
-        return float("nan")
+        return float("nan"), float("nan")
     opener = gzip.open if trace.endswith(".gz") else open
     with opener(trace, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
@@ -123,7 +126,7 @@ def _busy_fraction(trace: str) -> float:
     )
     cpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "cpu_op"]
     if not gpu or not cpu:
-        return float("nan")
+        return float("nan"), float("nan")
     start = min(a for a, _ in cpu)
     end = max(max(b for _, b in cpu), gpu[-1][1])
     busy, cur_a, cur_b = 0.0, gpu[0][0], gpu[0][1]
@@ -134,7 +137,7 @@ def _busy_fraction(trace: str) -> float:
         else:
             cur_b = max(cur_b, b)
     busy += cur_b - cur_a
-    return float(busy / max(end - start, 1e-9))
+    return float(busy / max(end - start, 1e-9)), busy / 1000.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,10 +205,17 @@ def _run_window(bench: BenchConfig, body: Callable[[], list[int]]) -> dict[str, 
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         samples, seconds = float(total.item()), float(slowest.item())  # after the window: off the timed steps
+    busy, busy_ms = _gpu_busy(window.trace)
+    ms_per_step = 1000.0 * seconds / bench.steps
+    gpu_ms = busy_ms / bench.profile_steps if bench.profile_steps else float("nan")
     return {
         "qps": samples / seconds if seconds > 0 else float("nan"),
-        "ms_per_step": 1000.0 * seconds / bench.steps,
-        "gpu_busy": _busy_fraction(window.trace),
+        "ms_per_step": ms_per_step,
+        # Busy fraction of the profiled steps (the profiler's own host cost stretches them) ...
+        "gpu_busy": busy,
+        # ... and the GPU time per step over the step time measured without the profiler.
+        "gpu_ms_per_step": gpu_ms,
+        "gpu_busy_unprofiled": gpu_ms / ms_per_step if ms_per_step > 0 else float("nan"),
     }
 
 
@@ -438,7 +448,12 @@ def main(argv: list[str] | None = None) -> int:
                 row["load_avg"] = os.getloadavg()[0]  # 1-minute load at the end of the run (shared machines)
                 results[impl].append(row)
                 if lead:
-                    busy = f"gpu busy {row['gpu_busy']:.1%} " if cuda else ""
+                    busy = (
+                        f"gpu busy {row['gpu_busy']:.1%} (gpu {row['gpu_ms_per_step']:.2f} ms/step = "
+                        f"{row['gpu_busy_unprofiled']:.1%} of the unprofiled step) "
+                        if cuda
+                        else ""
+                    )
                     print(
                         f"rep {rep} {impl:18s} {row['qps']:>12,.0f} samples/s {row['ms_per_step']:8.2f} ms/step "
                         f"{busy}load {row['load_avg']:.1f}",
@@ -462,14 +477,25 @@ def main(argv: list[str] | None = None) -> int:
             "p90_ms": max(r["ms_per_step"] for r in rows),
             "qps_median": round(statistics.median(r["qps"] for r in rows)),
             "gpu_busy_median": round(statistics.median(r["gpu_busy"] for r in rows), 3) if cuda else None,
+            "gpu_ms_per_step_median": round(statistics.median(r["gpu_ms_per_step"] for r in rows), 3)
+            if cuda
+            else None,
+            "gpu_busy_unprofiled_median": round(statistics.median(r["gpu_busy_unprofiled"] for r in rows), 3)
+            if cuda
+            else None,
             "load_avg_median": round(statistics.median(r["load_avg"] for r in rows), 1),
             "reps": len(rows),
         }
         for impl, rows in results.items()
     ]
-    print(f"\n{'impl':18s} {'samples/s':>12s} {'ms/step':>8s} {'GPU busy':>8s}")
+    print(
+        f"\n{'impl':18s} {'samples/s':>12s} {'ms/step':>8s} {'GPU busy':>8s} {'GPU ms':>7s} {'of step':>8s}"
+    )
     for s in summary:
-        busy = f"{s['gpu_busy_median']:8.1%}" if cuda else f"{'-':>8s}"
+        if cuda:
+            busy = f"{s['gpu_busy_median']:8.1%} {s['gpu_ms_per_step_median']:7.2f} {s['gpu_busy_unprofiled_median']:8.1%}"
+        else:
+            busy = f"{'-':>8s} {'-':>7s} {'-':>8s}"
         print(f"{s['impl']:18s} {s['qps_median']:>12,.0f} {s['median_ms']:8.2f} {busy}")
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     if world > 1:
