@@ -24,6 +24,8 @@ import _dist_harness
 import _dist_workers
 from _dist_workers import FEATURES, TABLES, backward, initial_tables, make_batches
 
+from vbe_lookup import VBEFeatures
+from vbe_lookup.errors import IndexOutOfRangeError
 from vbe_lookup.sharding import (
     RowWise,
     ShardedEmbeddingBags,
@@ -153,4 +155,22 @@ def test_one_rank_output_of_an_empty_batch_takes_part_in_the_graph(one_rank: Non
     fast, _ = _pair(ShardedEmbeddingBags, True, 3)
     out = fast(make_batches(3, [0], False)[0].features(torch.device("cpu"))).values()
     assert out.requires_grad
+    backward(out.sum())
+
+
+def test_one_rank_reports_bad_input_at_wait(one_rank: None) -> None:
+    """On a group of one the checks' host read happens in ``wait_input_dist`` (a pipeline's start never
+    blocks): bad ids raise there, again on a second try with the same handle, and the module goes on."""
+    del one_rank
+    fast, _ = _pair(ShardedEmbeddingBags, False, 5)
+    local = make_batches(5, [4], False)[0]
+    good = local.features(torch.device("cpu"))
+    values = good.values().clone()
+    values[0] = 10_000  # past every table
+    bad = VBEFeatures(good.keys(), values, good.lengths(), good.stride_per_key_per_rank())
+    handle = fast.start_input_dist(bad)  # no host read yet: nothing raised
+    for _ in range(2):
+        with pytest.raises(IndexOutOfRangeError, match="10000"):
+            fast.wait_input_dist(handle)
+    out = fast(good).values()
     backward(out.sum())

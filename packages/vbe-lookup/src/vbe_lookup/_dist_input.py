@@ -19,6 +19,7 @@ Phases (all collectives through :class:`~vbe_lookup._dist_comm.Communicator`, wi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from vbe_lookup._sharding_errors import CollectiveOrderError, PeerRankError, Unk
 from vbe_lookup._sharding_plan import ShardingLayout
 from vbe_lookup.errors import BatchLayoutError, IndexOutOfRangeError, InvalidFeaturesError, VBELookupError
 
-__all__ = ["DistributedFeatures", "InputDist", "InputDistHandle", "SourceContext"]
+__all__ = ["DistributedFeatures", "InputDist", "InputDistHandle", "PendingRead", "SourceContext"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 _HEADER_FIXED = 7  # status, batch size, has weights, weights require grad, ids sent, step, skipped backward
@@ -148,6 +149,27 @@ class InputDistHandle:
     batch_size_per_rank: tuple[int, ...]
     source: SourceContext
     done: bool = False
+    # A group of one: the host read still to make (then ``received``, ``ids_per_slot`` and the source's host
+    # counts are filled by ``wait``).
+    pending_read: PendingRead | None = None
+
+
+@dataclass(slots=True, kw_only=True, eq=False)
+class PendingRead:
+    """The checks' status and the ids per input key of a group of one, on their way to the host.
+
+    Attributes:
+        flat: ``[1 + F_in]`` int64 status, then ids per input key: pinned host memory being filled by a
+            non-blocking copy (CUDA), or the CPU tensor itself.
+        ready: The event recorded after that copy (``None`` on CPU).
+        values: The local ids (for the error report).
+        lengths: The local lengths (for the error report).
+    """
+
+    flat: Tensor
+    ready: torch.cuda.Event | None
+    values: Tensor
+    lengths: Tensor
 
 
 class InputDist:
@@ -214,7 +236,7 @@ class InputDist:
         self._key_cache: dict[tuple[str, ...], Tensor] = {}
         self._recv_len_cache: dict[tuple[int, ...], Tensor] = {}
         self._stride_cache: dict[tuple[int, ...], list[list[int]]] = {}
-        self._alone_cache: dict[tuple[str, ...], tuple[Tensor, Tensor | None]] = {}
+        self._alone_cache: dict[tuple[str, ...], tuple[Tensor, Tensor | None, Tensor]] = {}
         self._alone_positions: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._step = 0  # input dists started; every rank sends it in the header and checks the others'
 
@@ -365,6 +387,8 @@ class InputDist:
         """Finish: ids and weights all-to-all, then reorder to feature → source → sample."""
         if handle.done:
             raise InvalidFeaturesError("`handle` was already passed to `wait_input_dist` once")
+        if handle.pending_read is not None:
+            self._finish_alone(handle)  # raises for bad input, the handle kept for another try
         handle.done = True
         comm = self.comm
         values_out, values_work = comm.start_all_to_all(
@@ -443,65 +467,64 @@ class InputDist:
         batch: int,
     ) -> InputDistHandle:
         """``start`` on a group of one: every id stays here, in its own shard (row 0 on), so there is
-        nothing to bucketize. The same checks and status codes as the header, one host read of them and
-        of the ids per key, then (for an input key order other than the slot order) one gather that puts
-        the features in slot order. The order inside a bag is kept, as the stable sort does."""
+        nothing to bucketize. The same checks and status codes as the header, and (for an input key order
+        other than the slot order) one scatter that puts the features in slot order, the order inside a
+        bag kept as the stable sort keeps it. All of it is device work of fixed shapes that bad input
+        cannot push out of bounds; the host read of the status and of the ids per key (the step's one
+        sync) is only issued here (into pinned memory, with an event) and made by :meth:`wait`, so that a
+        pipeline's start never blocks the host."""
         dev = self.comm.device
         n = values.numel()
         num_in = len(keys)
         bags = num_in * batch
         key_index = self._key_index(keys)
-        rows, order = self._alone_layout(keys)
+        rows, order, slot_of_key = self._alone_layout(keys)
         per_key = (
             lengths.view(num_in, batch).sum(1)
             if batch
             else torch.zeros(num_in, dtype=torch.int64, device=dev)
         )
+        positions = torch.arange(n, device=dev)
         if n:
             ends = torch.cumsum(lengths, 0)
-            bag = torch.searchsorted(ends, torch.arange(n, device=dev), right=True).clamp_(
-                max=max(bags - 1, 0)
-            )
+            bag = torch.searchsorted(ends, positions, right=True).clamp_(max=max(bags - 1, 0))
             kpos = torch.div(bag, max(batch, 1), rounding_mode="floor")
             bad_ids = ((values < 0) | (values >= rows[kpos])).any()
             bad_lengths = (ends[-1] != n) if bags else torch.ones((), dtype=torch.bool, device=dev)
         else:
+            kpos = positions
             bad_ids = torch.zeros((), dtype=torch.bool, device=dev)
             bad_lengths = per_key.sum() != 0
         bad_lengths = bad_lengths | (lengths < 0).any()
         status = (
             bad_lengths.to(torch.int64) * _BAD_LENGTHS + (bad_ids & ~bad_lengths).to(torch.int64) * _BAD_IDS
         )
-        # The only host sync of the step: the status and the ids of every input key.
-        flat = torch.cat([status.view(1), per_key]).tolist()
-        if flat[0]:
-            self._report_bad_input([flat[0]], keys, values, lengths, batch, key_index)
-        ids_per_key = flat[1:]
+        flat = torch.cat([status.view(1), per_key])
+        ready: torch.cuda.Event | None = None
+        if flat.is_cuda:
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+            ready.record()
+            flat = host
 
-        slot_keys = self._alone_slot_keys(keys)  # input position of each slot's key
-        ids_per_slot = tuple(ids_per_key[i] for i in slot_keys)
         counts = per_key if order is None else per_key[order]  # [S] ids per slot (device)
         if order is None:  # the input is in slot order already
             send_values, send_lengths, send_weights = values, lengths, weights
-            inverse_perm = torch.arange(n, device=dev)
+            inverse_perm, sorted_segment = positions, kpos
         else:
-            src_start = (torch.cumsum(per_key, 0) - per_key)[order]
-            dst_start = torch.cumsum(counts, 0) - counts
-            gather = torch.repeat_interleave(src_start - dst_start, counts, output_size=n)
-            gather += torch.arange(n, device=dev)
-            send_values = values[gather]
-            send_weights = None if weights is None else weights[gather]
+            # Each id's place in slot order; clamped, so that bad lengths (reported by wait) stay in bounds.
+            src_start = torch.cumsum(per_key, 0) - per_key
+            dst_start = (torch.cumsum(counts, 0) - counts)[slot_of_key]
+            inverse_perm = (dst_start[kpos] + positions - src_start[kpos]).clamp_(0, max(n - 1, 0))
+            send_values = torch.empty_like(values).scatter_(0, inverse_perm, values)
+            send_weights = (
+                None if weights is None else torch.empty_like(weights).scatter_(0, inverse_perm, weights)
+            )
             send_lengths = lengths.view(num_in, batch)[order].reshape(-1) if batch else lengths
-            inverse_perm = torch.empty_like(gather)
-            inverse_perm[gather] = torch.arange(n, device=dev)
-        sorted_segment = torch.repeat_interleave(
-            torch.arange(len(slot_keys), device=dev), counts, output_size=n
-        )
+            sorted_segment = torch.empty_like(kpos).scatter_(0, inverse_perm, slot_of_key[kpos])
         sent_counts = torch.zeros(self.s_max, dtype=torch.int64, device=dev)
-        sent_counts[: len(slot_keys)] = counts
-        ids_per_feature = [0] * len(self.layout.features)
-        for i, k in enumerate(keys):
-            ids_per_feature[self.feature_index[k]] = ids_per_key[i]
+        sent_counts[: counts.numel()] = counts
         if send_weights is not None:
             send_weights = send_weights.to(torch.float32)
         need_grad = weights is not None and weights.requires_grad and torch.is_grad_enabled()
@@ -512,8 +535,8 @@ class InputDist:
             lengths=lengths,
             inverse_perm=inverse_perm,
             sorted_segment=sorted_segment,
-            sent=(ids_per_slot,),
-            ids_per_feature=tuple(ids_per_feature),
+            sent=(),  # host counts: filled by wait()
+            ids_per_feature=(),
             sent_counts=sent_counts,
         )
         del step  # every rank is at the same step: there is no other rank
@@ -527,30 +550,52 @@ class InputDist:
             weights_need_grad=need_grad,
             sent_per_rank=[n],
             received_per_rank=[n],
-            received=(ids_per_slot,),
+            received=(),
             received_counts=counts.view(1, -1),
             received_batch=counts.new_full((1,), batch),
-            ids_per_slot=ids_per_slot,
+            ids_per_slot=(),
             batch_size_per_rank=(batch,),
             source=source,
+            pending_read=PendingRead(flat=flat, ready=ready, values=values, lengths=lengths),
         )
 
-    def _alone_layout(self, keys: tuple[str, ...]) -> tuple[Tensor, Tensor | None]:
-        """Per input key order (cached): rows of each key's table (device) and the gather of input keys
-        into slot order (device), ``None`` when the input is already in slot order."""
+    def _finish_alone(self, handle: InputDistHandle) -> None:
+        """The host read ``_start_alone`` issued: raise for bad input, fill the handle's host counts."""
+        pending = handle.pending_read
+        assert pending is not None  # only called for a handle of _start_alone
+        if pending.ready is not None:
+            pending.ready.synchronize()  # the step's one host sync (long done when a forward ran since)
+        flat = pending.flat.tolist()
+        src = handle.source
+        if flat[0]:
+            batch = src.batch_size
+            self._report_bad_input([flat[0]], src.keys, pending.values, pending.lengths, batch, src.key_index)
+        ids_per_key = flat[1:]
+        ids_per_slot = tuple(ids_per_key[i] for i in self._alone_slot_keys(src.keys))
+        ids_per_feature = [0] * len(self.layout.features)
+        for i, k in enumerate(src.keys):
+            ids_per_feature[self.feature_index[k]] = ids_per_key[i]
+        handle.received = (ids_per_slot,)
+        handle.ids_per_slot = ids_per_slot
+        handle.source = dataclasses.replace(src, sent=(ids_per_slot,), ids_per_feature=tuple(ids_per_feature))
+        handle.pending_read = None
+
+    def _alone_layout(self, keys: tuple[str, ...]) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Per input key order (cached), on the device: rows of each key's table, the input key of each
+        slot (``None`` when the input is already in slot order) and the slot of each input key."""
         cached = self._alone_cache.get(keys)
         if cached is None:
             if len(self._alone_cache) >= _MAX_CACHE:
                 self._alone_cache.clear()
-            rows = [
-                self.layout.tables[self.layout.feature_table[self.feature_index[k]]].num_embeddings
-                for k in keys
-            ]
+            layout = self.layout
+            rows = [layout.tables[layout.feature_table[self.feature_index[k]]].num_embeddings for k in keys]
             slot_keys = self._alone_slot_keys(keys)
-            identity = list(slot_keys) == list(range(len(keys)))
+            slot_of_key = [0] * len(keys)
+            for slot, key in enumerate(slot_keys):
+                slot_of_key[key] = slot
             dev = self.comm.device
-            order = None if identity else torch.tensor(slot_keys, dtype=torch.int64).to(dev)
-            cached = (torch.tensor(rows, dtype=torch.int64).to(dev), order)
+            order = None if list(slot_keys) == list(range(len(keys))) else _on(slot_keys, dev)
+            cached = (_on(rows, dev), order, _on(slot_of_key, dev))
             self._alone_cache[keys] = cached
         return cached
 
@@ -804,3 +849,8 @@ def _describe(obj: object) -> str:
     if isinstance(obj, Tensor):
         return f"{obj.dtype} tensor of shape {tuple(obj.shape)}"
     return type(obj).__name__
+
+
+def _on(values: list[int] | tuple[int, ...], device: torch.device) -> Tensor:
+    """A small int64 index on ``device`` (built on the host once per layout, then cached by the caller)."""
+    return torch.tensor(values, dtype=torch.int64).to(device)

@@ -143,19 +143,32 @@ def _event() -> torch.cuda.Event:
 
 
 def _count_syncs(fn: Callable[[], None]) -> int:
-    """Synchronizing CUDA calls made by ``fn`` (CUDA sync debug mode, warn level)."""
+    """Host waits for the device made by ``fn``: synchronizing CUDA calls (CUDA sync debug mode, warn level)
+    plus ``torch.cuda.Event.synchronize`` calls, which that prototype mode does not report (a one-rank
+    sharded module's host read is one)."""
     torch.cuda.synchronize()
+    waits = [0]
+    event_synchronize = torch.cuda.Event.synchronize
+
+    def counted(event: torch.cuda.Event) -> None:
+        waits[0] += 1
+        with warnings.catch_warnings(record=True):  # its own report, if the mode makes one, is this wait
+            warnings.simplefilter("always")
+            event_synchronize(event)
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.Event.synchronize = counted  # type: ignore[method-assign,assignment]  # a counting wrapper
         try:
             fn()
         finally:
+            torch.cuda.Event.synchronize = event_synchronize  # type: ignore[method-assign]
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     # Not "synchronizing" alone: the mode's one-time notice ("... does not yet detect all synchronizing
     # operations") would count as a sync of the first step measured in the process.
-    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+    return waits[0] + sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 def _profile(label: str, step: Callable[[int], None], cuda: bool) -> None:

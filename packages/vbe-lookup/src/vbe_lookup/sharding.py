@@ -344,7 +344,10 @@ class _ShardedModule(nn.Module):
 
         Exchanges the header (host sync) and launches the lengths all-to-all. Any bad input on any rank
         (unknown or missing features, ids out of range, inconsistent lengths) raises on every rank:
-        the offending rank gets the specific error, the others :class:`PeerRankError`.
+        the offending rank gets the specific error, the others :class:`PeerRankError`. On a group of one
+        rank nothing is exchanged: the checks run on the device and their host read (the step's one
+        sync) is made by :meth:`wait_input_dist`, which raises for ids out of range or bad lengths, so a
+        pipeline's start never blocks the host.
         """
         return self._input_dist.start(features)
 
