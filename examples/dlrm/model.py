@@ -137,6 +137,7 @@ class DLRM(nn.Module):
             seed=seed + 1,
         )
         self.graphs: DenseGraphs | None = None
+        self._loss_weights: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
     @property
     def top(self) -> MLP:
@@ -209,5 +210,17 @@ class DLRM(nn.Module):
         padded = self.graphs.bucket(rows)
         dense = self.graphs.bottom(pad_rows(batch.dense_features, padded))[:rows]
         grouped = pad_rows(self._grouped(batch, dense), padded)
-        weight = (torch.arange(padded, device=grouped.device) < rows).to(grouped.dtype) / max(rows, 1)
-        return self.graphs.head(grouped, pad_rows(batch.labels, padded), weight)
+        return self.graphs.head(
+            grouped, pad_rows(batch.labels, padded), self._loss_weight(rows, padded, grouped)
+        )
+
+    def _loss_weight(self, rows: int, padded: int, like: torch.Tensor) -> torch.Tensor:
+        """``[padded]``: ``1 / rows`` for the batch's rows, 0 for the padding (cached per batch size)."""
+        key = (rows, padded, like.dtype, like.device)
+        weight = self._loss_weights.get(key)
+        if weight is None:
+            weight = (torch.arange(padded, device=like.device) < rows).to(like.dtype) / max(rows, 1)
+            if len(self._loss_weights) >= 256:
+                self._loss_weights.clear()
+            self._loss_weights[key] = weight
+        return weight
