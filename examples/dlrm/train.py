@@ -194,10 +194,12 @@ def _device(config: TrainConfig) -> torch.device:
 def dense_optimizer(
     params: list[torch.nn.Parameter], *, lr: float, device: torch.device
 ) -> torch.optim.Adagrad:
-    """The dense Adagrad: fused on CUDA (two kernels per step for all parameters: on the H200 the foreach
-    step cost ~0.6 ms of host time per step), foreach on CPU."""
-    if device.type == "cuda":
-        return torch.optim.Adagrad(params, lr=lr, fused=True)
+    """The dense Adagrad (foreach), the same for our trainer and the bench's torchrec rows.
+
+    Not ``fused=True``: torch 2.11's ``Adagrad`` accepts it on CPU only (its first CUDA step raises "`fused=True`
+    requires ... supported devices: ['mps', 'xpu', 'hpu', 'cpu', ...]" on the H200, although the
+    ``torch._fused_adagrad_`` op itself runs there)."""
+    del device  # one choice for every device today
     return torch.optim.Adagrad(params, lr=lr, foreach=True)
 
 
