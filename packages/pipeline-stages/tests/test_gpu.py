@@ -263,11 +263,11 @@ class StreamRecordingSparse(nn.Module):
         return dist.ids
 
 
-def test_sparse_data_dist_util_on_streams() -> None:
-    """start/wait on the data dist stream, prefetch on the prefetch stream, forward gets the right ids."""
-    model = StreamRecordingSparse()
-    dist_stream, prefetch_stream, copy_stream = cuda_stream(), cuda_stream(), cuda_stream()
-    sdd = SparseDataDistUtil(model, data_dist_stream=dist_stream, prefetch_stream=prefetch_stream)
+def _run_three_stages(
+    model: torch.nn.Module, sdd: SparseDataDistUtil, copy_stream: torch.cuda.Stream
+) -> list[tuple[int, torch.Tensor]]:
+    """data_copy -> start_sparse_data_dist -> prefetch over 6 pinned batches of 64 ids; each batch's index
+    and the model's output, after a device sync."""
     device = torch.device("cuda")
     pipeline = StagedTrainPipeline(
         [
@@ -284,6 +284,15 @@ def test_sparse_data_dist_util_on_streams() -> None:
     while (batch := pipeline.progress(it)) is not None:
         outs.append((batch.index, model(batch.sparse_features)))
     torch.cuda.synchronize()
+    return outs
+
+
+def test_sparse_data_dist_util_on_streams() -> None:
+    """start/wait on the data dist stream, prefetch on the prefetch stream, forward gets the right ids."""
+    model = StreamRecordingSparse()
+    dist_stream, prefetch_stream, copy_stream = cuda_stream(), cuda_stream(), cuda_stream()
+    sdd = SparseDataDistUtil(model, data_dist_stream=dist_stream, prefetch_stream=prefetch_stream)
+    outs = _run_three_stages(model, sdd, copy_stream)
     for i, ids in outs:
         torch.testing.assert_close(ids.cpu(), torch.arange(i, i + 64) * 10)
     assert model.plain == 0
@@ -335,22 +344,7 @@ def test_deferred_prefetch_is_stream_ordered_before_its_forward(after: bool) -> 
     sdd = SparseDataDistUtil(
         model, data_dist_stream=dist_stream, prefetch_stream=prefetch_stream, wait_after_forward=after
     )
-    device = torch.device("cuda")
-    pipeline = StagedTrainPipeline(
-        [
-            PipelineStage("data_copy", lambda b: b.to(device, non_blocking=True), stream=copy_stream),
-            PipelineStage(
-                "start_sparse_data_dist", sdd.start_sparse_data_dist, stream=sdd.data_dist_stream,
-                fill_callback=sdd.wait_sparse_data_dist,
-            ),
-            PipelineStage("prefetch", sdd.prefetch, stream=sdd.prefetch_stream, fill_callback=sdd.load_prefetch),
-        ]
-    )  # fmt: skip
-    it = iter([SparseBatch(index=i, sparse_features=torch.arange(i, i + 64).pin_memory()) for i in range(6)])
-    outs = []
-    while (batch := pipeline.progress(it)) is not None:
-        outs.append((batch.index, model(batch.sparse_features)))
-    torch.cuda.synchronize()
+    outs = _run_three_stages(model, sdd, copy_stream)
     for i, out in outs:
         torch.testing.assert_close(out.cpu(), (torch.arange(i, i + 64) * 10 + 1) * 2)
     kinds = [kind for kind, _ in log]

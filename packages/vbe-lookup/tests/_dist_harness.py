@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,20 @@ import torch.multiprocessing as mp
 HERE = str(Path(__file__).resolve().parent)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+
+@contextlib.contextmanager
+def one_rank_gloo() -> Iterator[None]:
+    """A 1-rank gloo group in this process (no spawn); skips the test when a group already exists."""
+    import pytest
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def free_port() -> int:

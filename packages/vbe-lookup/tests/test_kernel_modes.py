@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -73,14 +72,8 @@ def test_fbgemm_mean_tbe_rejected_when_the_owner_applies_mean() -> None:
 @pytest.fixture(scope="module")
 def one_rank() -> Iterator[None]:
     """A 1-rank gloo group in this process (no spawn)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    port = _dist_harness.free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with _dist_harness.one_rank_gloo():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_sharded_module_rejects_a_mean_pooling_kernel_factory(one_rank: None) -> None:

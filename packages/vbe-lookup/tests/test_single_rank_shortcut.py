@@ -39,14 +39,8 @@ from vbe_lookup.sharding import (
 @pytest.fixture(scope="module")
 def one_rank() -> Iterator[None]:
     """A 1-rank gloo group in this process (no spawn)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    port = _dist_harness.free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with _dist_harness.one_rank_gloo():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 class _CountCollectives:

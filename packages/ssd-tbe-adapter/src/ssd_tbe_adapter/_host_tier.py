@@ -401,6 +401,28 @@ class HostTier:
         ].copy()
         return slots
 
+    def _fill(
+        self,
+        weights_np: np.ndarray[Any, Any],
+        state_np: np.ndarray[Any, Any],
+        dirty_np: np.ndarray[Any, Any],
+        slots: np.ndarray[Any, Any],
+        found: np.ndarray[Any, Any],
+        missing: np.ndarray[Any, Any],
+        below: TierRows | None,
+    ) -> None:
+        """Rows asked for, in order, into the given arrays: those held here from their slots, the rest from
+        the rows the tier below returned."""
+        if found.any():
+            hit_pos, held = np.flatnonzero(found), slots[found]
+            weights_np[hit_pos] = self._weights_np[held]
+            state_np[hit_pos] = self._state_np[held]
+            dirty_np[hit_pos] = self.dirty[held]
+        if below is not None:
+            weights_np[missing] = below.weights.numpy()
+            state_np[missing] = below.state.numpy()
+            dirty_np[missing] = below.dirty.numpy()
+
     def take(self, tables: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> TierRows:
         """Rows from here where held (removed here), the rest from ``lower``; in the order asked (written
         straight into ``out`` if given: one gather, no second copy)."""
@@ -421,15 +443,7 @@ class HostTier:
                 np.take(self._state_np, slots, out=state_np, mode="clip")
                 dirty_np[:] = self.dirty[slots]
             else:
-                if n_found:
-                    hit_pos, held = np.flatnonzero(found), slots[found]
-                    weights_np[hit_pos] = self._weights_np[held]
-                    state_np[hit_pos] = self._state_np[held]
-                    dirty_np[hit_pos] = self.dirty[held]
-                if below is not None:
-                    weights_np[missing] = below.weights.numpy()
-                    state_np[missing] = below.state.numpy()
-                    dirty_np[missing] = below.dirty.numpy()
+                self._fill(weights_np, state_np, dirty_np, slots, found, missing, below)
             out_np[:, self._dmax + 1] = dirty_np
         elif n_found == k:  # every row here (the DRAM tier's steady state): one gather
             weights_np, state_np, dirty_np = self._weights_np[slots], self._state_np[slots], self.dirty[slots]
@@ -437,15 +451,7 @@ class HostTier:
             weights_np = np.empty((k, self._dmax), dtype=np.float32)
             state_np = np.empty(k, dtype=np.float32)
             dirty_np = np.zeros(k, dtype=np.bool_)
-            if n_found:
-                hit_pos, held = np.flatnonzero(found), slots[found]
-                weights_np[hit_pos] = self._weights_np[held]
-                state_np[hit_pos] = self._state_np[held]
-                dirty_np[hit_pos] = self.dirty[held]
-            if below is not None:
-                weights_np[missing] = below.weights.numpy()
-                state_np[missing] = below.state.numpy()
-                dirty_np[missing] = below.dirty.numpy()
+            self._fill(weights_np, state_np, dirty_np, slots, found, missing, below)
         if out is not None:
             weights, state = out[:, : self._dmax], out[:, self._dmax]
         else:
