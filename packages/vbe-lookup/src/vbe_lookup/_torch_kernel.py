@@ -399,14 +399,12 @@ class TorchEmbeddingKernel(nn.Module):
             weights = [self._weights(g_i) for g_i in range(len(self._dim_groups))]
             if vbe_output is None:
                 pooled: torch.Tensor = plan.pool(None, weights)
-                if (
-                    not pooled.requires_grad
-                    and torch.is_grad_enabled()
-                    and any(w.requires_grad for w in weights)
-                ):
+                if not pooled.requires_grad and torch.is_grad_enabled():
                     # No bag at all (an empty batch): still part of the graph, as fbgemm's output is, so that
-                    # a backward through it works (and gives the tables zero gradients).
-                    pooled = pooled + weights[0].sum().to(pooled.dtype) * 0
+                    # a backward through it works and gives the tables and the weights zero gradients.
+                    for tensor in [*weights, *([] if per_sample_weights is None else [per_sample_weights])]:
+                        if tensor.requires_grad:
+                            pooled = pooled + tensor.sum().to(pooled.dtype) * 0
                 return pooled
             return plan.write_into(vbe_output, weights)
         return _fused_lookup(
