@@ -27,13 +27,20 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 
-@contextlib.contextmanager
-def one_rank_gloo() -> Iterator[None]:
-    """A 1-rank gloo group in this process (no spawn); skips the test when a group already exists."""
+def require_no_process_group() -> None:
+    """Fail (not skip) when a process group is already initialized here: an earlier test leaked it."""
     import pytest
 
     if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
+        pytest.fail(
+            "a process group leaked from an earlier test in this process (each test that creates one destroys it)"
+        )
+
+
+@contextlib.contextmanager
+def one_rank_gloo() -> Iterator[None]:
+    """A 1-rank gloo group in this process (no spawn)."""
+    require_no_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-import pytest
-import torch.distributed as dist
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _dist_harness
 
 from vbe_lookup import bench
 
 
 def test_sharded_bench_reports_the_full_step(tmp_path: Path) -> None:
     """A tiny ``--sharded`` run on one gloo rank writes both sharded rows with host times."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
+    _dist_harness.require_no_process_group()
     out = tmp_path / "bench.json"
     argv = ["--quick", "--sharded", "--only-sharded", "--sharded-world", "1", "--kernel", "torch"]
     argv += ["--features", "4", "--iters", "2", "--warmup", "1", "--threads", "1", "--json", str(out)]

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,11 @@ import torch.distributed as dist
 
 from vbe_lookup import GroupedVBELookup, KernelGroup, TorchEmbeddingKernel, VBEFeatures, _fbgemm
 from vbe_lookup.sharding import RowWise, ShardedEmbeddingBags, ShardingPlan, TableConfig, TableWise
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _dist_harness
+
 from vbe_lookup.testing import ReferenceOptimizer, random_features, reference_pooled
 
 pytestmark = pytest.mark.gpu
@@ -247,11 +253,8 @@ def test_sharded_step_has_one_host_sync() -> None:
     """A steady-state sharded step on one GPU (NCCL, world size 1: input dist, lookup, output dist,
     backward) makes exactly one synchronizing CUDA call, the input dist's splits header, and its output
     equals a plain pooled lookup of the unsharded tables."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    _dist_harness.require_no_process_group()
+    port = _dist_harness.free_port()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(0)
     dist.init_process_group(

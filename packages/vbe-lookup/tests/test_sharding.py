@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -169,8 +168,7 @@ def test_pooled_embeddings_is_keyed_tensor_like() -> None:
 
 def test_module_needs_initialized_process_group() -> None:
     """Without torch.distributed initialized the module says so instead of failing deep inside."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
+    _dist_harness.require_no_process_group()
     with pytest.raises(ShardingPlanError, match="init_process_group"):
         ShardedEmbeddingBags(TABLES, ShardingPlan.table_wise(TABLES, 1))
 
