@@ -766,77 +766,52 @@ def test_host_tier_matches_a_model_over_takes_gives_and_evictions() -> None:
         assert (found >= 0).all()
 
 
-class _RecordingTier:
-    """A bottom tier that returns rows of -1 and records the keys handed down to it."""
+class _NullTier:
+    """A bottom tier of fresh rows (``fill``, 0 by default) that keeps nothing it is given."""
 
     keeps_clean_rows = False
+    fill = 0.0
+
+    def take(self, tables: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> TierRows:
+        k = ids.numel()
+        rows = TierRows(
+            tables=tables,
+            ids=ids,
+            weights=torch.full((k, 4), self.fill),
+            state=torch.zeros(k),
+            dirty=torch.zeros(k, dtype=torch.bool),
+        )
+        return rows_into(rows, out)
+
+    def give(self, rows: TierRows) -> None:
+        del rows
+
+    def persist(self, rows: TierRows) -> None:
+        del rows
+
+    def flush(self) -> None:
+        return None
+
+    def clear(self) -> None:
+        return None
+
+    def summary(self) -> dict[str, float]:
+        return {}
+
+    def reset_metrics(self) -> None:
+        return None
+
+
+class _RecordingTier(_NullTier):
+    """A bottom tier that returns rows of -1 and records the keys handed down to it."""
+
+    fill = -1.0
 
     def __init__(self) -> None:
         self.given: set[tuple[int, int]] = set()
 
-    def take(self, tables: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> TierRows:
-        k = ids.numel()
-        rows = TierRows(
-            tables=tables,
-            ids=ids,
-            weights=torch.full((k, 4), -1.0),
-            state=torch.zeros(k),
-            dirty=torch.zeros(k, dtype=torch.bool),
-        )
-        return rows_into(rows, out)
-
     def give(self, rows: TierRows) -> None:
         self.given |= {(int(t), int(i)) for t, i in zip(rows.tables.tolist(), rows.ids.tolist(), strict=True)}
-
-    def persist(self, rows: TierRows) -> None:
-        del rows
-
-    def flush(self) -> None:
-        return None
-
-    def clear(self) -> None:
-        return None
-
-    def summary(self) -> dict[str, float]:
-        return {}
-
-    def reset_metrics(self) -> None:
-        return None
-
-
-class _NullTier:
-    """A bottom tier of fresh zero rows."""
-
-    keeps_clean_rows = False
-
-    def take(self, tables: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None) -> TierRows:
-        k = ids.numel()
-        rows = TierRows(
-            tables=tables,
-            ids=ids,
-            weights=torch.zeros(k, 4),
-            state=torch.zeros(k),
-            dirty=torch.zeros(k, dtype=torch.bool),
-        )
-        return rows_into(rows, out)
-
-    def give(self, rows: TierRows) -> None:
-        del rows
-
-    def persist(self, rows: TierRows) -> None:
-        del rows
-
-    def flush(self) -> None:
-        return None
-
-    def clear(self) -> None:
-        return None
-
-    def summary(self) -> dict[str, float]:
-        return {}
-
-    def reset_metrics(self) -> None:
-        return None
 
 
 # Files of the device-cache step (their torch calls run on the device on CUDA) and of the host tiers (host

@@ -142,6 +142,35 @@ def _event() -> torch.cuda.Event:
     return event
 
 
+def _time_interleaved(
+    steps: dict[str, Callable[[int], None]], num_inputs: int, args: argparse.Namespace, cuda: bool
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Warm every step up (each input layout seen once), then time them interleaved, ``args.iters`` times:
+    host ms and (CUDA) event ms per step, ``args.inner`` steps back to back per sample, as in training (the
+    host runs ahead of the device)."""
+    for step in steps.values():  # warm-up: layouts, caches, allocator
+        for i in range(max(args.warmup, num_inputs)):
+            step(i)
+    host: dict[str, list[float]] = {n: [] for n in steps}
+    gpu: dict[str, list[float]] = {n: [] for n in steps}
+    inner = args.inner
+    for i in range(args.iters):
+        for name, step in steps.items():
+            if cuda:
+                torch.cuda.synchronize()
+                begin, end = _event(), _event()
+                begin.record()
+            t0 = time.perf_counter()
+            for j in range(inner):
+                step(i * inner + j)
+            host[name].append((time.perf_counter() - t0) * 1e3 / inner)
+            if cuda:
+                end.record()
+                end.synchronize()
+                gpu[name].append(begin.elapsed_time(end) / inner)
+    return host, gpu
+
+
 def _count_syncs(fn: Callable[[], None]) -> int:
     """Host waits for the device made by ``fn``: synchronizing CUDA calls (CUDA sync debug mode, warn level)
     plus ``torch.cuda.Event.synchronize`` calls, which that prototype mode does not report (a one-rank
@@ -199,26 +228,7 @@ def _run(args: argparse.Namespace, device: torch.device, kind: str) -> list[dict
     results: list[dict[str, Any]] = []
     for mode in ("fwd", "fwd+bwd"):
         steps = {impl.name: _make_step(impl.lookup, inputs, mode) for impl in impls}
-        for step in steps.values():  # warm-up: layouts, caches, allocator
-            for i in range(max(args.warmup, len(inputs))):  # every layout seen once
-                step(i)
-        host: dict[str, list[float]] = {n: [] for n in steps}
-        gpu: dict[str, list[float]] = {n: [] for n in steps}
-        inner = args.inner
-        for i in range(args.iters):
-            for name, step in steps.items():  # interleaved
-                if cuda:
-                    torch.cuda.synchronize()
-                    begin, end = _event(), _event()
-                    begin.record()
-                t0 = time.perf_counter()
-                for j in range(inner):  # back to back, as in training: the host runs ahead of the device
-                    step(i * inner + j)
-                host[name].append((time.perf_counter() - t0) * 1e3 / inner)
-                if cuda:
-                    end.record()
-                    end.synchronize()
-                    gpu[name].append(begin.elapsed_time(end) / inner)
+        host, gpu = _time_interleaved(steps, len(inputs), args, cuda)
         for impl in impls:
             name = impl.name
             syncs = peak = None
@@ -320,26 +330,7 @@ def _sharded_rank(rank: int, world: int, args: argparse.Namespace, kind: str) ->
         return step
 
     steps = {name: make(m) for name, m in modules.items()}
-    for step in steps.values():
-        for i in range(max(args.warmup, len(inputs))):
-            step(i)
-    host: dict[str, list[float]] = {n: [] for n in steps}
-    gpu: dict[str, list[float]] = {n: [] for n in steps}
-    inner = args.inner
-    for i in range(args.iters):
-        for name, step in steps.items():  # interleaved
-            if cuda:
-                torch.cuda.synchronize()
-                begin, end = _event(), _event()
-                begin.record()
-            t0 = time.perf_counter()
-            for j in range(inner):
-                step(i * inner + j)
-            host[name].append((time.perf_counter() - t0) * 1e3 / inner)
-            if cuda:
-                end.record()
-                end.synchronize()
-                gpu[name].append(begin.elapsed_time(end) / inner)
+    host, gpu = _time_interleaved(steps, len(inputs), args, cuda)
     results = []
     for name, step in steps.items():
         syncs = _count_syncs(functools.partial(step, 0)) if cuda else None
