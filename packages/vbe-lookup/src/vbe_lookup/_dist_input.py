@@ -20,6 +20,8 @@ Phases (all collectives through :class:`~vbe_lookup._dist_comm.Communicator`, wi
 from __future__ import annotations
 
 import dataclasses
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,8 +238,7 @@ class InputDist:
         self._key_cache: dict[tuple[str, ...], Tensor] = {}
         self._recv_len_cache: dict[tuple[int, ...], Tensor] = {}
         self._stride_cache: dict[tuple[int, ...], list[list[int]]] = {}
-        self._alone_cache: dict[tuple[str, ...], tuple[Tensor, Tensor | None, Tensor]] = {}
-        self._alone_positions: dict[tuple[str, ...], tuple[int, ...]] = {}
+        self._alone_cache: dict[tuple[str, ...], _AloneLayout] = {}
         self._step = 0  # input dists started; every rank sends it in the header and checks the others'
 
     # -- phase 1 ---------------------------------------------------------------------------------
@@ -478,7 +479,8 @@ class InputDist:
         num_in = len(keys)
         bags = num_in * batch
         key_index = self._key_index(keys)
-        rows, order, slot_of_key = self._alone_layout(keys)
+        alone = self._alone_layout(keys)
+        rows, order, slot_of_key = alone.rows, alone.order, alone.slot_of_key
         per_key = (
             lengths.view(num_in, batch).sum(1)
             if batch
@@ -570,43 +572,39 @@ class InputDist:
         if flat[0]:
             batch = src.batch_size
             self._report_bad_input([flat[0]], src.keys, pending.values, pending.lengths, batch, src.key_index)
-        ids_per_key = flat[1:]
-        ids_per_slot = tuple(ids_per_key[i] for i in self._alone_slot_keys(src.keys))
-        ids_per_feature = [0] * len(self.layout.features)
-        for i, k in enumerate(src.keys):
-            ids_per_feature[self.feature_index[k]] = ids_per_key[i]
+        alone = self._alone_layout(src.keys)
+        ids_per_slot = alone.ids_per_slot(flat)
         handle.received = (ids_per_slot,)
         handle.ids_per_slot = ids_per_slot
-        handle.source = dataclasses.replace(src, sent=(ids_per_slot,), ids_per_feature=tuple(ids_per_feature))
+        handle.source = dataclasses.replace(
+            src, sent=(ids_per_slot,), ids_per_feature=alone.ids_per_feature(flat)
+        )
         handle.pending_read = None
 
-    def _alone_layout(self, keys: tuple[str, ...]) -> tuple[Tensor, Tensor | None, Tensor]:
-        """Per input key order (cached), on the device: rows of each key's table, the input key of each
-        slot (``None`` when the input is already in slot order) and the slot of each input key."""
+    def _alone_layout(self, keys: tuple[str, ...]) -> _AloneLayout:
+        """What a group of one needs per input key order (cached): see :class:`_AloneLayout`."""
         cached = self._alone_cache.get(keys)
         if cached is None:
             if len(self._alone_cache) >= _MAX_CACHE:
                 self._alone_cache.clear()
             layout = self.layout
-            rows = [layout.tables[layout.feature_table[self.feature_index[k]]].num_embeddings for k in keys]
-            slot_keys = self._alone_slot_keys(keys)
+            where = {k: i for i, k in enumerate(keys)}
+            slot_keys = [where[k] for k in self.my_keys]
             slot_of_key = [0] * len(keys)
             for slot, key in enumerate(slot_keys):
                 slot_of_key[key] = slot
+            rows = [layout.tables[layout.feature_table[self.feature_index[k]]].num_embeddings for k in keys]
             dev = self.comm.device
-            order = None if list(slot_keys) == list(range(len(keys))) else _on(slot_keys, dev)
-            cached = (_on(rows, dev), order, _on(slot_of_key, dev))
+            cached = _AloneLayout(
+                rows=_on(rows, dev),
+                order=None if slot_keys == list(range(len(keys))) else _on(slot_keys, dev),
+                slot_of_key=_on(slot_of_key, dev),
+                # The host read is [status, ids of input key 0, 1, ...]; every feature is there (checked).
+                ids_per_slot=_picker([1 + i for i in slot_keys]),
+                ids_per_feature=_picker([1 + where[f] for f in layout.features]),
+            )
             self._alone_cache[keys] = cached
         return cached
-
-    def _alone_slot_keys(self, keys: tuple[str, ...]) -> tuple[int, ...]:
-        """Input position of the key of every slot of this (only) rank."""
-        position = self._alone_positions.get(keys)
-        if position is None:
-            where = {k: i for i, k in enumerate(keys)}
-            position = tuple(where[k] for k in self.my_keys)
-            self._alone_positions[keys] = position
-        return position
 
     # -- helpers ---------------------------------------------------------------------------------
     def _check(self, features: Any) -> tuple[tuple[str, ...], Tensor, Tensor, Tensor | None, int]:
@@ -849,6 +847,39 @@ def _describe(obj: object) -> str:
     if isinstance(obj, Tensor):
         return f"{obj.dtype} tensor of shape {tuple(obj.shape)}"
     return type(obj).__name__
+
+
+_Reader = Callable[[list[int]], tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _AloneLayout:
+    """A group of one's view of one input key order.
+
+    Attributes:
+        rows: ``[F_in]`` rows of each input key's table (device).
+        order: ``[S]`` the input key of each slot (device); ``None`` when the input is in slot order.
+        slot_of_key: ``[F_in]`` the slot of each input key (device).
+        ids_per_slot: picks the ids per slot out of the host read.
+        ids_per_feature: picks the ids per global feature out of the host read.
+    """
+
+    rows: Tensor
+    order: Tensor | None
+    slot_of_key: Tensor
+    ids_per_slot: _Reader
+    ids_per_feature: _Reader
+
+
+def _picker(positions: list[int]) -> _Reader:
+    """``values -> tuple(values[p] for p in positions)``, in C (``operator.itemgetter``)."""
+    if not positions:
+        return lambda values: ()
+    if len(positions) == 1:
+        only = positions[0]
+        return lambda values: (values[only],)
+    getter = operator.itemgetter(*positions)
+    return lambda values: tuple(getter(values))
 
 
 def _on(values: list[int] | tuple[int, ...], device: torch.device) -> Tensor:
