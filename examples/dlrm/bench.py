@@ -308,7 +308,7 @@ def _torchrec(bench: BenchConfig, *, pipeline: bool, cat: bool = False) -> list[
     plan = planner.collective_plan(unsharded, [EmbeddingBagCollectionSharder()], dist.group.WORLD)
     model = DistributedModelParallel(unsharded, device=device, plan=plan)
     dense_params = [p for n, p in model.named_parameters() if "sparse_arch" not in n]
-    optimizer = dense_optimizer(dense_params, lr=config.dense_lr, device=device)  # the same as ours
+    optimizer = dense_optimizer(dense_params, lr=config.dense_lr)  # the same as ours
 
     def to_torchrec(b: DLRMBatch) -> Any:
         features = b.sparse_features

@@ -191,15 +191,12 @@ def _device(config: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def dense_optimizer(
-    params: list[torch.nn.Parameter], *, lr: float, device: torch.device
-) -> torch.optim.Adagrad:
+def dense_optimizer(params: list[torch.nn.Parameter], *, lr: float) -> torch.optim.Adagrad:
     """The dense Adagrad (foreach), the same for our trainer and the bench's torchrec rows.
 
     Not ``fused=True``: torch 2.11's ``Adagrad`` accepts it on CPU only (its first CUDA step raises "`fused=True`
     requires ... supported devices: ['mps', 'xpu', 'hpu', 'cpu', ...]" on the H200, although the
     ``torch._fused_adagrad_`` op itself runs there)."""
-    del device  # one choice for every device today
     return torch.optim.Adagrad(params, lr=lr, foreach=True)
 
 
@@ -391,7 +388,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         seed=config.seed,
     ).to(device)
     dense_params = model.dense_parameters()
-    optimizer = dense_optimizer(dense_params, lr=config.dense_lr, device=device)
+    optimizer = dense_optimizer(dense_params, lr=config.dense_lr)
     if config.graph_dense and device.type == "cuda":
         # The dense part as CUDA graph replays (one per padded batch size): host work under GPU work.
         low = config.batch_size if config.min_batch_size is None else config.min_batch_size
