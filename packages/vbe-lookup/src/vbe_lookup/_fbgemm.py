@@ -21,6 +21,7 @@ from vbe_lookup import _env
 
 __all__ = [
     "TORCH_FOR_FBGEMM",
+    "bounds_check_none",
     "fbgemm_available",
     "fbgemm_status",
     "install_vbe_metadata_cache",
@@ -29,6 +30,7 @@ __all__ = [
     "tbe_feature_dims",
     "tbe_feature_num_embeddings",
     "tbe_output_dtype",
+    "training_module",
 ]
 
 _FALLBACK = "using the pure PyTorch kernels"
@@ -114,6 +116,18 @@ def fbgemm_status() -> str:
 
 
 # ---- end of the shared loader ----
+
+
+def training_module() -> Any:
+    """fbgemm's training-TBE module, or ``None`` when fbgemm did not load."""
+    return _load()[0]
+
+
+def bounds_check_none() -> int:
+    """The integer of fbgemm's ``BoundsCheckMode.NONE`` (fbgemm must have loaded)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+    return int(BoundsCheckMode.NONE.value)
 
 
 def is_fbgemm_tbe(kernel: object) -> bool:

@@ -19,6 +19,7 @@ from torch import nn
 
 from vbe_lookup import _fbgemm
 from vbe_lookup._compat import eager_only
+from vbe_lookup._fbgemm_direct import DirectTBE, LayoutArgs, direct_tbe
 from vbe_lookup._features import (
     VBEFeatures,
     check_length_per_key,
@@ -37,9 +38,18 @@ from vbe_lookup.errors import (
 )
 from vbe_lookup.interfaces import EmbeddingKernel, KeyedJaggedTensorLike
 
-__all__ = ["CheckIndices", "GroupedVBELookup", "KernelGroup", "KernelPooling", "Merge", "VBEOutput"]
+__all__ = [
+    "CheckIndices",
+    "FBGEMMCall",
+    "GroupedVBELookup",
+    "KernelGroup",
+    "KernelPooling",
+    "Merge",
+    "VBEOutput",
+]
 
 Merge = Literal["preallocated", "legacy"]
+FBGEMMCall = Literal["direct", "module"]
 CheckIndices = Literal["auto", "always", "deferred", "never"]
 KernelPooling = Literal["any", "sum"]
 
@@ -240,6 +250,7 @@ class _GroupPlan:
     block_starts: tuple[int, ...]  # per rank: where this group's rank block starts in the output
     block_sizes: tuple[int, ...]  # per rank: its size
     placement: list[tuple[torch.Tensor, int]]  # lazily: rows of the output viewed [-1, granule], granule
+    direct_args: list[LayoutArgs]  # lazily: the layout's arguments of a kernel called through its op
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -292,7 +303,12 @@ class GroupedVBELookup(nn.Module):
         kernel_pooling: ``"sum"`` rejects, at construction, a kernel whose pooling mode is known and is
             not sum (an owner that applies mean pooling itself, like the sharded modules, would
             otherwise divide twice); ``"any"`` (default) accepts every kernel.
-        cache_fbgemm_metadata: memoise fbgemm TBEs' host-side VBE metadata per layout.
+        cache_fbgemm_metadata: memoise fbgemm TBEs' host-side VBE metadata per layout (module path).
+        fbgemm_call: ``"direct"`` (default) calls an fbgemm TBE's lookup op below its Python module, with
+            the layout's arguments prepared once per layout (same op, same arguments, same results; see
+            docs/vbe-lookup.md), for TBEs in the plain training configuration; any other TBE keeps the
+            module path, and :attr:`fbgemm_paths` says which path each group takes and why.
+            ``"module"`` calls every TBE's ``forward``.
     """
 
     def __init__(
@@ -304,6 +320,7 @@ class GroupedVBELookup(nn.Module):
         check_indices: CheckIndices = "auto",
         kernel_pooling: KernelPooling = "any",
         cache_fbgemm_metadata: bool = True,
+        fbgemm_call: FBGEMMCall = "direct",
     ) -> None:
         super().__init__()
         groups = tuple(groups)
@@ -317,6 +334,8 @@ class GroupedVBELookup(nn.Module):
             )
         if kernel_pooling not in ("any", "sum"):
             raise ConfigurationError(f"`kernel_pooling` must be 'any' or 'sum', got {kernel_pooling!r}")
+        if fbgemm_call not in ("direct", "module"):
+            raise ConfigurationError(f"`fbgemm_call` must be 'direct' or 'module', got {fbgemm_call!r}")
         owner: dict[str, int] = {}
         for g_i, group in enumerate(groups):
             if not isinstance(group, KernelGroup):
@@ -355,6 +374,19 @@ class GroupedVBELookup(nn.Module):
             for group in groups:
                 if _fbgemm.is_fbgemm_tbe(group.kernel):
                     _fbgemm.install_vbe_metadata_cache(group.kernel)
+        direct: list[DirectTBE | None] = []
+        paths: list[str | None] = []
+        for group, (kind, _) in zip(groups, self._kinds, strict=True):
+            call, why = (None, None) if not kind.startswith("fbgemm") else direct_tbe(group.kernel)
+            if call is None and why is not None:
+                why = f"module: {why}"
+            if call is not None and fbgemm_call == "module":
+                call, why = None, "module: fbgemm_call='module'"
+            direct.append(call)
+            paths.append(why)
+        self._direct: tuple[DirectTBE | None, ...] = tuple(direct)
+        self.fbgemm_paths: tuple[str | None, ...] = tuple(paths)
+        """Per group: ``"direct"``, ``"module: <why>"`` for an fbgemm TBE, ``None`` for other kernels."""
         self._layouts: OrderedDict[tuple[Any, ...], _Layout] = OrderedDict()
 
     # ------------------------------------------------------------------ layout
@@ -462,6 +494,7 @@ class GroupedVBELookup(nn.Module):
                     block_starts=tuple(group_block_starts[g_i]),
                     block_sizes=tuple(group_block_sizes[g_i]),
                     placement=[],
+                    direct_args=[],
                 )
             )
             first += n
@@ -730,7 +763,8 @@ class GroupedVBELookup(nn.Module):
             item = inputs[0]
             if item is None:
                 return torch.zeros(layout.total, dtype=dtype, device=device)
-            y = _call(self.groups[0].kernel, item, layout.groups[0].batch_sizes)
+            y = self._call(0, layout.groups[0], item)
+            self._count_iterations(inputs)
             return y.reshape(-1).to(dtype)
         if self.merge == "legacy":
             return self._legacy_merge(layout, inputs, device)
@@ -740,18 +774,59 @@ class GroupedVBELookup(nn.Module):
         # created inside its custom autograd function (fbgemm returns `vbe_output` as-is), on which an
         # in-place autograd op is forbidden. Then the chain: each in-place kernel gets the tensor the
         # previous one returned, used as it is (no reshape, no copy).
-        for g_i, (group, plan, item) in enumerate(zip(self.groups, layout.groups, inputs, strict=True)):
+        for g_i, (plan, item) in enumerate(zip(layout.groups, inputs, strict=True)):
             if item is None or in_place[g_i]:
                 continue  # no bag on any rank (its blocks are empty), or written in the chain below
-            y = _call(group.kernel, item, plan.batch_sizes).reshape(-1).to(dtype)
+            y = self._call(g_i, plan, item).reshape(-1).to(dtype)
             rows, granule = _placement(plan, layout.total, device)
             out.view(-1, granule).index_copy_(0, rows, y.view(-1, granule))
-        for g_i, (group, plan, item) in enumerate(zip(self.groups, layout.groups, inputs, strict=True)):
+        for g_i, (plan, item) in enumerate(zip(layout.groups, inputs, strict=True)):
             if item is not None and in_place[g_i]:
-                out = _call(group.kernel, item, plan.batch_sizes, out, plan.vbe_output_offsets)
+                out = self._call(g_i, plan, item, out)
                 if out.dim() != 1:
                     out = out.reshape(-1)
+        self._count_iterations(inputs)
         return out
+
+    def _call(
+        self,
+        g_i: int,
+        plan: _GroupPlan,
+        item: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        vbe_output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Kernel ``g_i`` over its part of the batch; into ``vbe_output`` at its offsets when given."""
+        indices, offsets, weights = item
+        direct = self._direct[g_i]
+        if direct is not None:
+            if not plan.direct_args:
+                out_offsets = None if vbe_output is None else plan.vbe_output_offsets
+                plan.direct_args.append(direct.prepare(offsets, plan.batch_sizes, out_offsets))
+            return direct(plan.direct_args[0], indices, offsets, weights, vbe_output)
+        kernel = self.groups[g_i].kernel
+        if vbe_output is None:
+            return kernel(
+                indices, offsets, per_sample_weights=weights, batch_size_per_feature_per_rank=plan.batch_sizes
+            )
+        return kernel(
+            indices,
+            offsets,
+            per_sample_weights=weights,
+            batch_size_per_feature_per_rank=plan.batch_sizes,
+            vbe_output=vbe_output,
+            vbe_output_offsets=plan.vbe_output_offsets,
+        )
+
+    def _count_iterations(self, inputs: Sequence[object | None]) -> None:
+        """Add 1 to the ``iter`` of every row-wise Adagrad TBE called directly (fbgemm's module does it
+        per call; here one ``_foreach_add_`` for all)."""
+        iters = [
+            direct.kernel.iter
+            for direct, item in zip(self._direct, inputs, strict=True)
+            if direct is not None and direct.rowwise and item is not None
+        ]
+        if iters:
+            torch._foreach_add_(iters, 1)
 
     def _in_place_on(self, device: torch.device) -> tuple[bool, ...]:
         """Per group: writes in place on ``device`` (cached per device type)."""
@@ -775,7 +850,7 @@ class GroupedVBELookup(nn.Module):
         """
         dtype = self.output_dtype
         split_outputs: list[tuple[tuple[torch.Tensor, ...], int]] = []
-        for group, plan, item in zip(self.groups, layout.groups, inputs, strict=True):
+        for g_i, (group, plan, item) in enumerate(zip(self.groups, layout.groups, inputs, strict=True)):
             sizes = [
                 stride * dim
                 for stride_per_feature in zip(*plan.batch_sizes, strict=True)
@@ -784,7 +859,7 @@ class GroupedVBELookup(nn.Module):
             if item is None:
                 y = torch.zeros(0, dtype=dtype, device=device)
             else:
-                y = _call(group.kernel, item, plan.batch_sizes).reshape(-1).to(dtype)
+                y = self._call(g_i, plan, item).reshape(-1).to(dtype)
             split_outputs.append((torch.split(y, sizes), len(group.features)))
         num_ranks = len(layout.size_per_rank)
         pieces = [
@@ -793,6 +868,7 @@ class GroupedVBELookup(nn.Module):
             for pieces_g, n in split_outputs
             for piece in pieces_g[n * rank : n * rank + n]
         ]
+        self._count_iterations(inputs)
         if not pieces:
             return torch.zeros(0, dtype=dtype, device=device)
         return torch.cat(pieces)
@@ -834,28 +910,6 @@ def _check_kernel_modes(
         if pooling == "mean" and out_dtype == torch.float16:
             no_weights.append(g_i)
     return tuple(no_weights)
-
-
-def _call(
-    kernel: EmbeddingKernel,
-    item: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
-    batch_sizes: list[list[int]],
-    vbe_output: torch.Tensor | None = None,
-    vbe_output_offsets: torch.Tensor | None = None,
-) -> torch.Tensor:
-    indices, offsets, weights = item
-    if vbe_output is None:
-        return kernel(
-            indices, offsets, per_sample_weights=weights, batch_size_per_feature_per_rank=batch_sizes
-        )
-    return kernel(
-        indices,
-        offsets,
-        per_sample_weights=weights,
-        batch_size_per_feature_per_rank=batch_sizes,
-        vbe_output=vbe_output,
-        vbe_output_offsets=vbe_output_offsets,
-    )
 
 
 def _placement(plan: _GroupPlan, total: int, device: torch.device) -> tuple[torch.Tensor, int]:

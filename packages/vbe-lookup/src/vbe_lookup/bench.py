@@ -6,6 +6,8 @@ Compares, in one run, interleaved, medians:
 - ``preallocated-K``: the features split over K kernels (K = 2..4), one pre-allocated 1-D output
   (fbgemm TBEs on CUDA write in place through ``vbe_output``, chained; elsewhere one cached-index copy);
 - ``legacy-K``: the same kernels with torchrec's split/permute/cat merge;
+- with fbgemm, ``single-module`` and ``preallocated-K-module``: the same lookups calling every TBE through
+  its Python module (``fbgemm_call="module"``) instead of its lookup op with per-layout arguments;
 - on CUDA with fbgemm, ``fbgemm-chain-2``: fbgemm's own ``vbe_output`` chain without our per-layout
   VBE-metadata cache (fbgemm rebuilds it on the host every call), the issue's 1.73 ms baseline.
 
@@ -77,19 +79,26 @@ def _build_impls(args: argparse.Namespace, device: torch.device, kind: str) -> l
     impls: list[_Impl] = []
     single = _kernel(kind, rows, dims, device, args)
     impls.append(_Impl(name="single", lookup=GroupedVBELookup([KernelGroup(single, keys, dims)]), kernels=1))
+    fbgemm = kind == "fbgemm"
+    if fbgemm:
+        lookup = GroupedVBELookup([KernelGroup(single, keys, dims)], fbgemm_call="module")
+        impls.append(_Impl(name="single-module", lookup=lookup, kernels=1))
     for k in args.kernels:
         groups = [
             KernelGroup(_kernel(kind, rows[a:b], dims[a:b], device, args), keys[a:b], dims[a:b])
             for a, b in _split(args.features, k)
         ]
         impls.append(_Impl(name=f"preallocated-{k}", lookup=GroupedVBELookup(groups), kernels=k))
+        if fbgemm:
+            lookup = GroupedVBELookup(groups, fbgemm_call="module")
+            impls.append(_Impl(name=f"preallocated-{k}-module", lookup=lookup, kernels=k))
         impls.append(_Impl(name=f"legacy-{k}", lookup=GroupedVBELookup(groups, merge="legacy"), kernels=k))
     if kind == "fbgemm" and device.type == "cuda":
         groups = [
             KernelGroup(_kernel(kind, rows[a:b], dims[a:b], device, args), keys[a:b], dims[a:b])
             for a, b in _split(args.features, 2)
         ]
-        lookup = GroupedVBELookup(groups, cache_fbgemm_metadata=False)
+        lookup = GroupedVBELookup(groups, cache_fbgemm_metadata=False, fbgemm_call="module")
         impls.append(_Impl(name="fbgemm-chain-2", lookup=lookup, kernels=2))
     return impls
 

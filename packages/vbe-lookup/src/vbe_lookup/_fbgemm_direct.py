@@ -1,0 +1,257 @@
+"""fbgemm TBE lookups below the Python module: fbgemm's lookup op called with arguments prepared per layout.
+
+``SplitTableBatchedEmbeddingBagsCodegen.forward`` spends ~0.2 ms of host time per call before its op runs
+(input preparation, VBE metadata, stats and debug hooks, prefetch bookkeeping, ~40 arguments packed into
+lists by the generated invoker), and a grouped lookup pays that once per kernel. For a TBE in the plain
+training configuration (rows in device memory on CUDA or host memory on CPU, no UVM cache, row-wise Adagrad
+or SGD without counters or global weight decay, no stats reporter, input multiplexer, writeback hook or
+input-stats printing, bounds check off or version 1), :class:`DirectTBE` calls the op the invoker calls
+(``split_embedding_codegen_lookup_{optimizer}_function_pt2``) with the arguments the invoker passes:
+
+* per layout (:meth:`DirectTBE.prepare`, cached by the caller): the VBE metadata, from the module's own
+  ``_generate_vbe_metadata``;
+* per call: the ids, offsets, per-sample weights and ``vbe_output``, and the module's tensors and
+  optimizer arguments read from the module (so ``.to()``, ``load_state_dict`` and ``set_learning_rate``
+  keep working).
+
+The module's side effects that matter after the call are kept: fbgemm's bounds check (when the TBE has
+one), its ``step``/``timestep`` counters and, for row-wise Adagrad, the checkpointed ``iter`` buffer (the
+caller adds 1 to every kernel's ``iter`` with one ``_foreach_add_``). ``iter_cpu`` (a host mirror fbgemm
+re-reads from ``iter`` while it is 0, and reads only in modes the direct path does not take) is left alone.
+A TBE outside that configuration, or an fbgemm whose op schema differs from the one this was written
+against (fbgemm-gpu 1.6 to 1.8), keeps the module path: :func:`direct_tbe` says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vbe_lookup import _fbgemm
+
+__all__ = ["DirectTBE", "LayoutArgs", "direct_tbe"]
+
+# fbgemm's OptimType name -> (op name, whether the op takes row-wise Adagrad's momentum and optim args).
+_OPS: dict[str, tuple[str, bool]] = {
+    "EXACT_ROWWISE_ADAGRAD": ("split_embedding_codegen_lookup_rowwise_adagrad_function_pt2", True),
+    "EXACT_SGD": ("split_embedding_codegen_lookup_sgd_function_pt2", False),
+}
+_COMMON_ARGS = (
+    "placeholder_autograd_tensor",
+    "weights",
+    "D_offsets",
+    "total_D",
+    "max_D",
+    "hash_size_cumsum",
+    "total_hash_size_bits",
+    "indices",
+    "offsets",
+    "pooling_mode",
+    "indice_weights",
+    "feature_requires_grad",
+    "output_dtype",
+    "aux_tensor",
+    "aux_int",
+    "aux_float",
+    "aux_bool",
+    "learning_rate_tensor",
+    "max_B",
+    "max_B_feature_rank",
+    "vbe_output_size",
+    "vbe_output",
+)
+_ROWWISE_ARGS = ("momentum1", "optim_int", "optim_float")
+# Attributes whose presence (and value) put a TBE outside the configuration the direct path reproduces.
+_OFF_WHEN_SET = (
+    "stats_reporter",
+    "tbe_input_multiplexer",
+    "_report_input_params",
+    "use_writeback_bwd_prehook",
+    "gather_uvm_cache_stats",
+    "_used_rowwise_adagrad_with_counter",
+    "_used_rowwise_adagrad_with_global_weight_decay",
+    "enable_raw_embedding_streaming",
+)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LayoutArgs:
+    """The op arguments that depend on one batch-size layout (and on nothing else of the batch)."""
+
+    max_B: int
+    max_B_feature_rank: int
+    output_size: int
+    B_offsets: torch.Tensor | None
+    output_offsets_feature_rank: torch.Tensor | None
+    B_offsets_rank_per_feature: torch.Tensor | None
+    vbe_output_offsets: torch.Tensor | None
+
+
+def _schema_names(op: Any) -> set[str] | None:
+    try:
+        return {a.name for a in op.default._schema.arguments}
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def direct_tbe(kernel: Any) -> tuple[DirectTBE | None, str]:
+    """``(DirectTBE for kernel, "direct")`` or ``(None, why the module path is kept)``."""
+    module = _fbgemm.training_module()
+    if module is None or type(kernel) is not module.SplitTableBatchedEmbeddingBagsCodegen:
+        return None, "not fbgemm's own training TBE class (a subclass may override forward)"
+    optimizer = getattr(getattr(kernel, "optimizer", None), "name", None)
+    if optimizer not in _OPS:
+        return None, f"optimizer {optimizer} (direct path: {', '.join(_OPS)})"
+    for name in _OFF_WHEN_SET:
+        if getattr(kernel, name, None) not in (None, False):
+            return None, f"`{name}` is set"
+    if kernel.weights_uvm.numel() or kernel.lxu_cache_weights.numel():
+        return None, "rows in UVM or behind a UVM cache"
+    if kernel._debug_print_input_stats.__name__ != "_debug_print_input_stats_factory_null":
+        return None, "fbgemm's input-stats printing is on"
+    if int(kernel.bounds_check_mode_int) != _fbgemm.bounds_check_none() and kernel.bounds_check_version != 1:
+        return None, f"bounds check version {kernel.bounds_check_version}"
+    op_name, rowwise = _OPS[optimizer]
+    op = getattr(torch.ops.fbgemm, op_name, None)
+    wanted = set(_COMMON_ARGS) | (set(_ROWWISE_ARGS) if rowwise else set())
+    if op is None or _schema_names(op) != wanted:
+        return None, f"fbgemm's `{op_name}` has another schema than the one the direct path calls"
+    return DirectTBE(kernel, op, rowwise), "direct"
+
+
+class DirectTBE:
+    """One fbgemm TBE called through its lookup op (see the module docstring for when and why)."""
+
+    __slots__ = ("_check_bounds", "_index_dtype", "kernel", "op", "rowwise")
+
+    def __init__(self, kernel: Any, op: Any, rowwise: bool) -> None:
+        self.kernel = kernel
+        self.op = op
+        self.rowwise = rowwise  # takes momentum1 and counts `iter`
+        self._index_dtype: torch.dtype | None = (
+            torch.int32 if kernel.embedding_table_index_type == torch.int32 else None
+        )
+        self._check_bounds = int(kernel.bounds_check_mode_int) != _fbgemm.bounds_check_none()
+
+    def prepare(
+        self, offsets: torch.Tensor, batch_sizes: list[list[int]], vbe_output_offsets: torch.Tensor | None
+    ) -> LayoutArgs:
+        """The layout's op arguments: the module's VBE metadata for these batch sizes (host work, once)."""
+        metadata = self.kernel._generate_vbe_metadata(offsets, batch_sizes, None, vbe_output_offsets)
+        return LayoutArgs(
+            max_B=metadata.max_B,
+            max_B_feature_rank=metadata.max_B_feature_rank,
+            output_size=metadata.output_size,
+            B_offsets=metadata.B_offsets,
+            output_offsets_feature_rank=metadata.output_offsets_feature_rank,
+            B_offsets_rank_per_feature=metadata.B_offsets_rank_per_feature,
+            vbe_output_offsets=metadata.vbe_output_offsets,
+        )
+
+    def __call__(
+        self,
+        layout: LayoutArgs,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        vbe_output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The pooled VBE lookup of ``indices``/``offsets`` (fbgemm's layout), with autograd through the op.
+
+        ``vbe_output`` (1-D, the TBE's output dtype) is written at ``layout.vbe_output_offsets`` and
+        returned, as the module does; ``None`` returns a new output.
+        """
+        k = self.kernel
+        if self._index_dtype is not None:
+            indices = indices.to(self._index_dtype)
+        if offsets.dtype != indices.dtype:
+            offsets = offsets.to(indices.dtype)
+        if weights is not None:
+            weights = weights.float()
+        if self._check_bounds:
+            torch.ops.fbgemm.bounds_check_indices(
+                k.rows_per_table,
+                indices,
+                offsets,
+                k.bounds_check_mode_int,
+                k.bounds_check_warning,
+                weights,
+                B_offsets=layout.B_offsets,
+                max_B=layout.max_B,
+                b_t_map=None,
+                info_B_num_bits=k.info_B_num_bits,
+                info_B_mask=k.info_B_mask,
+                bounds_check_version=1,
+                prefetch_pipeline=False,
+            )
+        if not torch.compiler.is_compiling():  # module attributes mutated under dynamo force a restart
+            k.step += 1
+            k.timestep += 1
+        args = k.optimizer_args
+        on_cpu = k.weights_host.numel() > 0
+        if on_cpu:
+            rows = [k.weights_host, k.weights_placements, k.weights_offsets]
+        else:
+            rows = [
+                k.weights_dev,
+                k.weights_uvm,
+                k.weights_placements,
+                k.weights_offsets,
+                k.lxu_cache_weights,
+            ]
+        extra: dict[str, Any] = {}
+        if self.rowwise:
+            if on_cpu:
+                momentum = [k.momentum1_host, k.momentum1_placements, k.momentum1_offsets]
+            else:
+                momentum = [k.momentum1_dev, k.momentum1_uvm, k.momentum1_placements, k.momentum1_offsets]
+            extra = {
+                "momentum1": momentum,
+                "optim_int": [args.weight_decay_mode],
+                "optim_float": [args.eps, args.weight_decay, args.max_norm],
+            }
+        return self.op(  # type: ignore[no-any-return]  # torch.ops are untyped
+            placeholder_autograd_tensor=k.placeholder_autograd_tensor,
+            weights=rows,
+            D_offsets=k.D_offsets,
+            total_D=k.total_D,
+            max_D=k.max_D,
+            hash_size_cumsum=k.hash_size_cumsum,
+            total_hash_size_bits=k.total_hash_size_bits,
+            indices=indices,
+            offsets=offsets,
+            pooling_mode=k.pooling_mode,
+            indice_weights=weights,
+            feature_requires_grad=None,
+            output_dtype=k.output_dtype,
+            max_B=layout.max_B,
+            max_B_feature_rank=layout.max_B_feature_rank,
+            vbe_output_size=layout.output_size,
+            vbe_output=vbe_output,
+            aux_tensor=[
+                layout.B_offsets,
+                layout.output_offsets_feature_rank,
+                layout.B_offsets_rank_per_feature,
+                k.lxu_cache_locations_empty,
+                None,  # uvm_cache_stats: off (checked in direct_tbe)
+                None,  # prev_iter_dev: no global weight decay
+                layout.vbe_output_offsets,
+            ],
+            aux_int=[0, k.info_B_num_bits, k.info_B_mask],  # iter: read only by modes not taken here
+            aux_float=[0.0, args.max_gradient],  # gwd_lower_bound, max_gradient
+            aux_bool=[
+                k.is_experimental,
+                k.use_uniq_cache_locations_bwd,
+                k.use_homogeneous_placements,
+                False,  # apply_global_weight_decay
+                args.gradient_clipping,
+                args.stochastic_rounding,
+                k.mixed_D
+                if self.rowwise
+                else True,  # fbgemm's module passes mixed_D to row-wise Adagrad only
+            ],
+            learning_rate_tensor=k.learning_rate_tensor,
+            **extra,
+        )

@@ -1,0 +1,186 @@
+"""fbgemm TBEs called through their lookup op (``fbgemm_call="direct"``) against fbgemm's module path.
+
+Two lookups over identical TBEs, one per path, trained side by side over random layouts (kernels, features,
+dims, ranks, empty bags and ranks, weights, pooling, optimizers, bounds checks): outputs, gradients of the
+per-id weights, rows, optimizer state and fbgemm's counters must agree after every step. On the CPU
+(fbgemm-gpu-cpu) and, marked ``gpu``, on CUDA, where the kernels write in place into one output.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from vbe_lookup import GroupedVBELookup, KernelGroup, VBEFeatures, _fbgemm
+from vbe_lookup.testing import random_features
+
+HAS_FBGEMM = _fbgemm.fbgemm_available()
+pytestmark = pytest.mark.skipif(not HAS_FBGEMM, reason="fbgemm unavailable")
+
+
+def _devices() -> list[Any]:
+    gpu = pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")
+    return [pytest.param("cpu", id="cpu"), gpu]
+
+
+def _require(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+def _random_config(rng: random.Random) -> dict[str, Any]:
+    num_kernels = rng.randint(1, 3)
+    kernels = []
+    feature = 0
+    for _ in range(num_kernels):
+        n = rng.randint(1, 3)
+        kernels.append(
+            {
+                "features": [f"f{feature + i}" for i in range(n)],
+                "rows": [rng.randint(5, 40) for _ in range(n)],
+                "dims": [4 * rng.randint(1, 6) for _ in range(n)],
+                "optimizer": rng.choice(["rowwise_adagrad", "sgd"]),
+                "bounds_check": rng.choice(["warning", "none"]),
+            }
+        )
+        feature += n
+    return {
+        "kernels": kernels,
+        "pooling": rng.choice(["sum", "mean"]),
+        "weighted": rng.random() < 0.4,
+        "ranks": rng.randint(1, 4),
+    }
+
+
+def _tbes(config: dict[str, Any], device: str, seed: int) -> list[Any]:
+    torch.manual_seed(seed)
+    return [
+        _fbgemm.new_tbe(
+            k["rows"],
+            k["dims"],
+            pooling=config["pooling"],
+            optimizer=k["optimizer"],
+            learning_rate=0.05,
+            device=device,
+            bounds_check=k["bounds_check"],
+        )
+        for k in config["kernels"]
+    ]
+
+
+def _lookup(config: dict[str, Any], tbes: list[Any], call: str) -> GroupedVBELookup:
+    groups = [KernelGroup(t, k["features"], k["dims"]) for t, k in zip(tbes, config["kernels"], strict=True)]
+    return GroupedVBELookup(groups, fbgemm_call=call, check_indices="never")  # type: ignore[arg-type]
+
+
+def _batch(config: dict[str, Any], rng: random.Random, device: str, seed: int) -> VBEFeatures:
+    kernels = config["kernels"]
+    keys = [name for k in kernels for name in k["features"]]
+    rows = [r for k in kernels for r in k["rows"]]
+    stride = [[rng.choice([0, 1, 2, 5]) for _ in range(config["ranks"])] for _ in keys]
+    order = list(range(len(keys)))
+    rng.shuffle(order)  # the input's key order differs from the groups'
+    return random_features(
+        [keys[i] for i in order],
+        [rows[i] for i in order],
+        [stride[i] for i in order],
+        weighted=config["weighted"],
+        generator=torch.Generator().manual_seed(seed),
+        device=device,
+    )
+
+
+def _state(tbes: list[Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for t in tbes:
+        out.extend(w.detach().clone() for w in t.split_embedding_weights())
+        for states in t.split_optimizer_states():
+            out.extend(s.detach().clone() for s in states)
+        out.append(t.iter.detach().clone())
+    return out
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("seed", range(12), ids=lambda s: f"layout{s}")
+def test_direct_op_path_matches_the_module_path(device: str, seed: int) -> None:
+    """Direct-op and module lookups agree on outputs, weight grads, rows, optimizer state and counters."""
+    _require(device)
+    rng = random.Random(seed)
+    config = _random_config(rng)
+    direct_tbes, module_tbes = _tbes(config, device, seed), _tbes(config, device, seed)
+    direct, module = _lookup(config, direct_tbes, "direct"), _lookup(config, module_tbes, "module")
+    assert direct.fbgemm_paths == ("direct",) * len(direct_tbes)
+    assert all(p is not None and p.startswith("module:") for p in module.fbgemm_paths)
+    for step in range(3):
+        features = _batch(config, rng, device, 1000 * seed + step)
+        outputs = []
+        weight_grads = []
+        for lookup in (direct, module):
+            weights = features.weights_or_none()
+            given = features
+            if weights is not None:
+                weights = weights.detach().clone().requires_grad_(True)
+                given = VBEFeatures(
+                    features.keys(),
+                    features.values(),
+                    features.lengths(),
+                    features.stride_per_key_per_rank(),
+                    weights=weights,
+                )
+            out = lookup(given).values()
+            grad = torch.linspace(-1.0, 1.0, out.numel(), device=device)
+            (out * grad).sum().backward()
+            outputs.append(out.detach())
+            weight_grads.append(None if weights is None else weights.grad)
+        torch.testing.assert_close(outputs[0], outputs[1])
+        if weight_grads[0] is not None:
+            torch.testing.assert_close(weight_grads[0], weight_grads[1])
+        for a, b in zip(_state(direct_tbes), _state(module_tbes), strict=True):
+            torch.testing.assert_close(a, b)
+        assert [t.step for t in direct_tbes] == [t.step for t in module_tbes]
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_direct_op_path_keeps_fbgemm_bounds_check(device: str) -> None:
+    """A TBE built with fbgemm's bounds check gets it on the direct path too (bad ids become row 0)."""
+    _require(device)
+    config: dict[str, Any] = {
+        "kernels": [
+            {
+                "features": ["a", "b"],
+                "rows": [10, 10],
+                "dims": [8, 8],
+                "optimizer": "sgd",
+                "bounds_check": "warning",
+            }
+        ],
+        "pooling": "sum",
+        "weighted": False,
+        "ranks": 1,
+    }
+    results = []
+    for call in ("direct", "module"):
+        lookup = _lookup(config, _tbes(config, device, 0), call)
+        values = torch.tensor([1, 99, 3, -4, 5], device=device)  # 99 and -4 are outside the 10 rows
+        features = VBEFeatures(["a", "b"], values, torch.tensor([2, 3], device=device), [[1], [1]])
+        results.append(lookup(features).values().detach())
+    torch.testing.assert_close(results[0], results[1])
+
+
+def test_other_tbes_keep_the_module_path() -> None:
+    """A subclass of fbgemm's TBE (it may override forward) is called through its module, and says why."""
+    training = _fbgemm.training_module()
+
+    class OwnTBE(training.SplitTableBatchedEmbeddingBagsCodegen):  # type: ignore[misc,name-defined]
+        pass
+
+    plain = _fbgemm.new_tbe([10], [8])
+    own = OwnTBE(plain.embedding_specs, optimizer=plain.optimizer)
+    lookup = GroupedVBELookup([KernelGroup(plain, ["a"], [8]), KernelGroup(own, ["b"], [8])])
+    assert lookup.fbgemm_paths[0] == "direct"
+    assert "subclass" in str(lookup.fbgemm_paths[1])
+    features = VBEFeatures(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 2]), [[1], [1]])
+    assert lookup(features).values().shape == (16,)
