@@ -84,6 +84,32 @@ def encode_keys(table: int, ids: np.ndarray[Any, np.dtype[np.int64]]) -> list[by
     return encoded
 
 
+def encode_values(rows: torch.Tensor) -> list[bytes]:
+    """The records ``[N, row_bytes]`` uint8 (contiguous, CPU) as ``N`` byte strings (one C-level ``tolist``)."""
+    values: list[bytes] = rows.numpy().view(f"V{rows.shape[1]}").ravel().tolist()
+    return values
+
+
+def write_batch(
+    rocksdict: Any,
+    table: int,
+    ids: np.ndarray[Any, np.dtype[np.int64]],
+    rows: torch.Tensor,
+    *,
+    column_family: Any = None,
+) -> Any:
+    """A ``rocksdict.WriteBatch`` putting ``rows[i]`` under the key of ``ids[i]`` in ``table`` (into
+    ``column_family``, a column family handle, when given). ``rocksdict`` takes one key at a time: the loop
+    over ``put`` runs on the caller's thread holding the GIL (about 0.4 µs per row)."""
+    batch = rocksdict.WriteBatch(raw_mode=True)
+    if column_family is not None:
+        batch.set_default_column_family(column_family)
+    put = batch.put
+    for key, value in zip(encode_keys(table, ids), encode_values(rows), strict=True):
+        put(key, value)
+    return batch
+
+
 def decode_ids(keys: bytes, n: int) -> torch.Tensor:
     """Ids ``[n]`` int64 of ``n`` concatenated 12-byte keys."""
     array = np.frombuffer(keys, dtype=_KEY_DTYPE, count=n)
@@ -764,12 +790,7 @@ class RocksDBStore:
         _check_rows(rows, array.shape[0], "rows")
         if array.shape[0] == 0:
             return
-        keys = encode_keys(table, array)
-        values: list[bytes] = rows.numpy().view(f"V{rows.shape[1]}").ravel().tolist()
-        batch = self._rocksdict.WriteBatch(raw_mode=True)
-        put = batch.put
-        for key, value in zip(keys, values, strict=True):
-            put(key, value)
+        batch = write_batch(self._rocksdict, table, array, rows)
         with self._open_call(f"writing table {table}") as db:
             db.write(batch)
 

@@ -39,6 +39,15 @@ After those, without compute (host only):
 - ``store-get-<n>`` / ``store-put-<n>``: a RocksDB multi-get (``io_threads`` 1 against ``min(4, cores)``)
   and a ``WriteBatch`` put of ``n`` random existing ids, interleaved, on the floor's store.
 
+With ``--store-io`` only the store's batched I/O is measured (see :func:`run_store_io`): per step one ``get`` and
+one ``put`` of a miss-sized batch (16,384 random existing ids of one table, records of D64 fp32 weights plus
+row-wise Adagrad state, 260 bytes), over ``RocksDBStore``, ``K`` RocksDB instances (``rocksdb-x<K>``) or
+column families of one instance (``rocksdb-cf<K>``) read and written from ``K`` threads at once, and LMDB
+(``lmdb``, ``lmdb-writemap``, ``lmdb-x2``: 2 environments from 2 threads; when the ``lmdb`` package imports),
+each alone and again beside a pure-Python thread, whose
+progress during the call (``python_progress``: 1.0 = not slowed, 0 = stopped) says whether the call holds
+the GIL.
+
 Times are host wall-clock per step (``torch.cuda.synchronize()`` at the end of a step on CUDA).
 ``peak_mem_bytes``: on CUDA the peak allocated device memory of the implementation's steps; on CPU the
 resident embedding bytes (TBE: all rows and state; key-value: the cache).
@@ -47,24 +56,38 @@ resident embedding bytes (TBE: all rows and state; key-value: the cache).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
+import operator
 import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 
 from ssd_tbe_adapter import _fbgemm
 from ssd_tbe_adapter._module import KeyValueEmbeddingBags, TableSpec
-from ssd_tbe_adapter._store import MemoryStore, RocksDBStore, default_io_threads
+from ssd_tbe_adapter._records import RecordLayout
+from ssd_tbe_adapter._store import (
+    MemoryStore,
+    RocksDBStore,
+    default_io_threads,
+    encode_keys,
+    encode_values,
+    write_batch,
+)
 from ssd_tbe_adapter._version import __version__
+from ssd_tbe_adapter.errors import StoreCorruptError
 
 __all__ = ["main"]
 
@@ -398,6 +421,317 @@ def _store_micro(case: Case, store: RocksDBStore, record_bytes: int) -> list[dic
     return results
 
 
+# --- store I/O alone (--store-io) ------------------------------------------------------------------------------
+
+STORE_IO_SHARDS = (2, 4)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreIOCase:
+    """One ``--store-io`` configuration: a table of ``rows`` records, batches of ``batch`` unique ids."""
+
+    rows: int
+    batch: int
+    dim: int = 64
+    warmup: int = 3
+    steps: int = 15
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one record: ``dim`` fp32 weights and one fp32 row-wise Adagrad state."""
+        return RecordLayout([self.dim], torch.float32, 1).record_bytes[0]
+
+    @property
+    def name(self) -> str:
+        """Short label."""
+        return f"N{self.rows // 1000}k-B{self.batch}-R{self.record_bytes}"
+
+
+# 4 tables x 200k rows of the step benchmark in one table; 16k ids: about what one kv-prefetch step misses.
+STORE_IO_CASE = StoreIOCase(rows=800_000, batch=16_384)
+STORE_IO_QUICK = StoreIOCase(rows=40_000, batch=4_096, warmup=2, steps=5)
+
+
+class _BatchIO(Protocol):
+    def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor: ...
+
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _Sharded:
+    """``len(shards)`` stores holding the ids ``id % K == k``: a batch is split by shard (tensor ops) and each
+    part read or written on its own thread (the caller takes shard 0). Not atomic across shards."""
+
+    def __init__(self, shards: list[_BatchIO], *, owner: _ColumnFamilies | None = None) -> None:
+        self._shards = shards
+        self._owner = owner  # closed after the shards (the database of column families)
+        self._pool = ThreadPoolExecutor(len(shards) - 1, thread_name_prefix="bench-shard")
+
+    def _parts(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        shard = ids.remainder(len(self._shards))
+        return [(shard == k).nonzero().flatten() for k in range(len(self._shards))]
+
+    def _run(self, calls: list[Callable[[], object]]) -> list[object]:
+        futures = [self._pool.submit(call) for call in calls[1:]]
+        try:
+            first = calls[0]()
+        finally:
+            wait(futures)
+        return [first, *(future.result() for future in futures)]
+
+    def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
+        parts = self._parts(ids)
+        outs = [torch.empty(part.numel(), out.shape[1], dtype=torch.uint8) for part in parts]
+        founds = self._run(
+            [
+                lambda s=store, p=part, o=o: s.get(ids[p], o, table=table)  # type: ignore[misc]
+                for store, part, o in zip(self._shards, parts, outs, strict=True)
+            ]
+        )
+        found = torch.empty(ids.numel(), dtype=torch.bool)
+        for part, o, f in zip(parts, outs, founds, strict=True):
+            out.index_copy_(0, part, o)
+            found[part] = cast(torch.Tensor, f)
+        return found
+
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None:
+        parts = self._parts(ids)
+        self._run(
+            [
+                lambda s=store, p=part: s.put(ids[p], rows.index_select(0, p), table=table)  # type: ignore[misc]
+                for store, part in zip(self._shards, parts, strict=True)
+            ]
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        for store in self._shards:
+            store.close()
+        if self._owner is not None:
+            self._owner.close()
+
+
+class _ColumnFamilies:
+    """One RocksDB instance (``rocksdict``, the options of :class:`RocksDBStore`) with ``K`` column families;
+    the shard ``k`` of an id (``id % K``) lives in family ``k`` (one ``WriteBatch`` per family)."""
+
+    def __init__(self, path: Path, families: int) -> None:
+        import rocksdict
+
+        self._rocksdict = rocksdict
+        options = rocksdict.Options(raw_mode=True)
+        options.create_if_missing(True)
+        options.optimize_for_point_lookup(64)
+        options.set_compression_type(rocksdict.DBCompressionType.none())
+        options.set_allow_mmap_reads(True)
+        self._db: Any = rocksdict.Rdict(str(path), options)
+        self._families: list[Any] = [
+            self._db.create_column_family(f"shard{k}", options) for k in range(families)
+        ]
+        self._handles: list[Any] = [self._db.get_column_family_handle(f"shard{k}") for k in range(families)]
+
+    def shard(self, k: int) -> _BatchIO:
+        """Column family ``k`` with the store methods."""
+        return _Family(self._rocksdict, self._families[k], self._handles[k])
+
+    def close(self) -> None:
+        for family in self._families:
+            family.close()
+        self._db.close()
+
+
+class _Family:
+    """One column family of :class:`_ColumnFamilies` (``family``: its ``Rdict``, ``handle``: its handle)."""
+
+    def __init__(self, rocksdict: Any, family: Any, handle: Any) -> None:
+        self._rocksdict, self._family, self._handle = rocksdict, family, handle
+
+    def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
+        values: list[bytes | None] = self._family.get(encode_keys(table, ids.numpy()))
+        out.numpy()[...] = np.frombuffer(b"".join(cast("list[bytes]", values)), np.uint8).reshape(out.shape)
+        return torch.ones(ids.numel(), dtype=torch.bool)
+
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None:
+        self._family.write(write_batch(self._rocksdict, table, ids.numpy(), rows, column_family=self._handle))
+
+    def close(self) -> None:
+        """The owner closes the database."""
+
+
+class _Lmdb:
+    """LMDB (``lmdb`` package) with the store's key encoding: ``getmulti`` / ``putmulti`` over one cursor, one
+    transaction per call, ``sync=False`` (a killed process loses no committed write; ``flush`` would fsync);
+    ``writemap``: dirty pages written in place in the memory map instead of copied out at commit."""
+
+    def __init__(self, path: Path, map_bytes: int, *, writemap: bool = False) -> None:
+        import lmdb  # type: ignore[import-not-found,unused-ignore]
+
+        self._env = lmdb.open(
+            str(path), map_size=map_bytes, sync=False, readahead=False, max_readers=64, writemap=writemap
+        )
+
+    def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
+        with self._env.begin(buffers=False) as txn:
+            pairs = txn.cursor().getmulti(encode_keys(table, ids.numpy()))
+        if len(pairs) != ids.numel():
+            raise StoreCorruptError(f"lmdb found {len(pairs)} of {ids.numel()} prefilled ids")
+        blob = b"".join(map(operator.itemgetter(1), pairs))
+        out.numpy()[...] = np.frombuffer(blob, np.uint8).reshape(out.shape)
+        return torch.ones(ids.numel(), dtype=torch.bool)
+
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None:
+        keys = encode_keys(table, ids.numpy())
+        values = encode_values(rows)
+        with self._env.begin(write=True) as txn:
+            txn.cursor().putmulti(zip(keys, values, strict=True))
+
+    def close(self) -> None:
+        self._env.sync(True)
+        self._env.close()
+
+
+class _Probe:
+    """A pure-Python thread counting loop iterations while :meth:`running`: how much Python work a concurrent
+    thread gets done (it can only run while no other thread holds the GIL)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._go = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._thread.start()
+
+    def _spin(self) -> None:
+        count = 0
+        while not self._stop:
+            self._go.wait()
+            for _ in range(100):
+                count += 1
+            self.count = count
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self._go.set()
+        try:
+            yield
+        finally:
+            self._go.clear()
+
+    def close(self) -> None:
+        self._stop = True
+        self._go.set()
+        self._thread.join()
+
+
+def _store_io_impls(case: StoreIOCase, workdir: Path) -> dict[str, _BatchIO]:
+    """The stores compared, each on its own directory under ``workdir``."""
+    impls: dict[str, _BatchIO] = {"rocksdb": RocksDBStore(workdir / "rocksdb")}
+    for k in STORE_IO_SHARDS:
+        impls[f"rocksdb-x{k}"] = _Sharded(
+            [RocksDBStore(workdir / f"rocksdb-x{k}" / str(i), io_threads=1) for i in range(k)]
+        )
+        families = _ColumnFamilies(workdir / f"rocksdb-cf{k}", k)
+        impls[f"rocksdb-cf{k}"] = _Sharded([families.shard(i) for i in range(k)], owner=families)
+    try:
+        importlib.import_module("lmdb")
+    except ImportError:
+        print("lmdb is not importable: its rows are left out")
+    else:
+        map_bytes = 4 * case.rows * (case.record_bytes + 64) + 2**26
+        impls["lmdb"] = _Lmdb(workdir / "lmdb", map_bytes)
+        impls["lmdb-writemap"] = _Lmdb(workdir / "lmdb-writemap", map_bytes, writemap=True)
+        impls["lmdb-x2"] = _Sharded([_Lmdb(workdir / f"lmdb-x2-{i}", map_bytes) for i in range(2)])
+    return impls
+
+
+def run_store_io(case: StoreIOCase, workdir: Path) -> list[dict[str, Any]]:
+    """Batched ``get`` and ``put`` of ``case.batch`` random existing ids over every store, interleaved per step
+    (the order rotating), each alone and beside a :class:`_Probe` thread; medians over ``case.steps``."""
+    impls = _store_io_impls(case, workdir)
+    rng = np.random.default_rng(7)
+    width = case.record_bytes
+    chunk = 50_000
+    for store in impls.values():  # every row exists: gets read the disk/page cache, puts overwrite
+        for start in range(0, case.rows, chunk):
+            ids = torch.arange(start, min(start + chunk, case.rows), dtype=torch.int64)
+            store.put(ids, torch.from_numpy(rng.integers(0, 256, (ids.numel(), width), dtype=np.uint8)))
+    for store in impls.values():
+        flush = getattr(store, "flush", None)
+        if flush is not None:
+            flush()
+    probe = _Probe()
+    samples: dict[tuple[str, str], list[float]] = {}
+    names = list(impls)
+    try:
+        for step in range(case.warmup + case.steps):
+            batches = [
+                torch.from_numpy(np.sort(rng.choice(case.rows, case.batch, replace=False))) for _ in range(2)
+            ]
+            rows = torch.from_numpy(rng.integers(0, 256, (case.batch, width), dtype=np.uint8))
+            out = torch.empty(case.batch, width, dtype=torch.uint8)
+            # The probe's pace alone (the main thread asleep), as the reference for this step.
+            with probe.running():
+                before, began = probe.count, time.perf_counter()
+                time.sleep(0.02)
+                alone = (probe.count - before) / (time.perf_counter() - began)
+            for name in names[step % len(names) :] + names[: step % len(names)]:
+                store = impls[name]
+                for op in ("get", "put"):
+                    for beside, ids in ((False, batches[0]), (True, batches[1])):
+                        with probe.running() if beside else contextlib.nullcontext():
+                            before, began = probe.count, time.perf_counter()
+                            if op == "get":
+                                store.get(ids, out)
+                            else:
+                                store.put(ids, rows)
+                            elapsed = time.perf_counter() - began
+                            progress = (probe.count - before) / elapsed / alone
+                        if step >= case.warmup:
+                            key = (name, f"{op}-beside-python" if beside else op)
+                            samples.setdefault(key, []).append(elapsed * 1e3)
+                            if beside:
+                                samples.setdefault((name, f"{op}-progress"), []).append(progress)
+            if step == case.warmup - 1:
+                print(f"store-io: warm-up done ({len(names)} stores)")
+    finally:
+        probe.close()
+        for store in impls.values():
+            store.close()
+    results = []
+    for name in names:
+        for op in ("get", "put"):
+            quantiles = np.percentile(samples[(name, op)], [10, 50, 90])
+            beside_ms = statistics.median(samples[(name, f"{op}-beside-python")])
+            results.append(
+                {
+                    "case": f"store-io-{op}-{case.name}",
+                    "impl": name,
+                    "median_ms": float(quantiles[1]),
+                    "p10_ms": float(quantiles[0]),
+                    "p90_ms": float(quantiles[2]),
+                    "peak_mem_bytes": 0,
+                    "us_per_row": float(quantiles[1]) * 1e3 / case.batch,
+                    "median_ms_beside_python": beside_ms,
+                    # Pure-Python work another thread got done during the call, against alone (1.0: not slowed).
+                    "python_progress": statistics.median(samples[(name, f"{op}-progress")]),
+                }
+            )
+    return results
+
+
+def _print_store_io(results: list[dict[str, Any]]) -> None:
+    header = f"{'case':<34} {'impl':<12} {'median ms':>10} {'p10':>8} {'p90':>8} {'us/row':>7} {'ms beside py':>13} {'py progress':>12}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(
+            f"{r['case']:<34} {r['impl']:<12} {r['median_ms']:>10.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} "
+            f"{r['us_per_row']:>7.2f} {r['median_ms_beside_python']:>13.2f} {r['python_progress']:>12.2f}"
+        )
+
+
 def _print_table(results: list[dict[str, Any]], device: torch.device) -> None:
     header = f"{'case':<28} {'impl':<20} {'median ms':>10} {'p10':>8} {'p90':>8} {'vs TBE':>7} {'hit rate':>9} {'store rows/s':>13} {'mem MiB':>8}"
     print(f"device: {device}, torch {torch.__version__}")
@@ -485,6 +819,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{FLOOR} needs kv-prefetch)",
     )
     parser.add_argument(
+        "--store-io",
+        action="store_true",
+        help="measure only the stores' batched get/put (RocksDB, K RocksDB instances or column families from "
+        "K threads, LMDB when importable) and how much each slows a concurrent Python thread",
+    )
+    parser.add_argument(
         "--pipelined",
         action="store_true",
         help="CUDA: the kv-device-* rows prefetch batch k+1 on a side stream after batch k's backward is "
@@ -502,15 +842,26 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kv-bench-", dir=args.workdir))
     load_before = _load_average()
     try:
-        only = set(args.only.split(",")) if args.only else None
-        results = [
-            row
-            for case in cases
-            for row in run_case(case, device, workdir / case.name, only, pipelined=args.pipelined)
-        ]
+        if args.store_io:
+            io_case = STORE_IO_QUICK if args.quick else STORE_IO_CASE
+            if args.steps:
+                io_case = StoreIOCase(
+                    rows=io_case.rows, batch=io_case.batch, warmup=io_case.warmup, steps=args.steps
+                )
+            results = run_store_io(io_case, workdir)
+        else:
+            only = set(args.only.split(",")) if args.only else None
+            results = [
+                row
+                for case in cases
+                for row in run_case(case, device, workdir / case.name, only, pipelined=args.pipelined)
+            ]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    _print_table(results, device)
+    if args.store_io:
+        _print_store_io(results)
+    else:
+        _print_table(results, device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -524,7 +875,8 @@ def main(argv: list[str] | None = None) -> None:
             + (f" --threads {args.threads}" if args.threads else "")
             + (f" --steps {args.steps}" if args.steps else "")
             + (f" --only {args.only}" if args.only else "")
-            + (" --pipelined" if args.pipelined else ""),
+            + (" --pipelined" if args.pipelined else "")
+            + (" --store-io" if args.store_io else ""),
             "threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
             # 1-minute load average of the host before and after the run (shared CI boxes are noisy).
@@ -533,7 +885,7 @@ def main(argv: list[str] | None = None) -> None:
             "results": results,
         }
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
-    if args.plot:
+    if args.plot and not args.store_io:
         _plot(results, args.plot, device_name)
 
 
