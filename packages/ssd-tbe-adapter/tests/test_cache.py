@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ssd_tbe_adapter._cache import TableCache
-from ssd_tbe_adapter._plan import sort_with_order
+from ssd_tbe_adapter._plan import group_batch, plan_batch, sort_with_order
 
 
 def _cache_with(ids: list[int]) -> TableCache:
@@ -77,3 +77,80 @@ def test_sort_with_order(ids: list[int]) -> None:
     assert sorted_ids.tolist() == sorted(ids)
     assert array[order].tolist() == sorted(ids)
     assert sorted(order.tolist()) == list(range(len(ids)))
+
+
+_IDS = st.one_of(st.integers(-(2**63), 2**63 - 1), st.integers(-5, 50), st.integers(2**40, 2**40 + 9))
+
+
+@settings(max_examples=40, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 4), _IDS), max_size=40))
+def test_sort_with_order_by_group(pairs: list[tuple[int, int]]) -> None:
+    """With groups, the order sorts by (group, id), over the packed-key path and the lexsort fallback."""
+    groups = np.array([g for g, _ in pairs], dtype=np.int64)
+    ids = np.array([i for _, i in pairs], dtype=np.int64)
+    order, sorted_ids = sort_with_order(ids, groups, 5)
+    assert sorted(order.tolist()) == list(range(len(pairs)))
+    assert list(zip(groups[order].tolist(), sorted_ids.tolist(), strict=True)) == sorted(pairs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    feature_table_map=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+    ranks=st.integers(1, 3),
+)
+def test_group_batch_matches_per_table_reference(
+    data: st.DataObject, feature_table_map: list[int], ranks: int
+) -> None:
+    """One sort over all tables gives each table's unique ids, inverses and transpose as a per-table pass would."""
+    batch_sizes = [
+        data.draw(st.lists(st.integers(0, 3), min_size=ranks, max_size=ranks)) for _ in feature_table_map
+    ]
+    bags = sum(map(sum, batch_sizes))
+    lengths = data.draw(st.lists(st.integers(0, 3), min_size=bags, max_size=bags))
+    ids = data.draw(
+        st.lists(st.one_of(st.integers(0, 6), _IDS), min_size=sum(lengths), max_size=sum(lengths))
+    )
+    offsets = torch.tensor([0, *np.cumsum(lengths, dtype=np.int64).tolist()], dtype=torch.int64)
+    indices = torch.tensor(ids, dtype=torch.int64)
+    plan, indices_cpu = plan_batch(
+        indices,
+        offsets,
+        None,
+        batch_sizes,
+        None,
+        None,
+        feature_table_map=feature_table_map,
+        dims=[2] * 4,
+        device=torch.device("cpu"),
+    )
+    groups = group_batch(plan, indices_cpu, feature_table_map)
+    assert sorted(groups) == sorted(set(feature_table_map))
+    for table, group in groups.items():
+        features = [f for f, t in enumerate(feature_table_map) if t == table]
+        lookups: list[int] = []  # the table's lookups, features concatenated
+        lookup_bags: list[int] = []  # the bag of each, numbered over the table's features
+        base = 0
+        for feature in features:
+            first = plan.bag_start[feature]
+            for bag in range(plan.num_bags[feature]):
+                lo, hi = int(offsets[first + bag]), int(offsets[first + bag + 1])
+                lookups += ids[lo:hi]
+                lookup_bags += [base + bag] * (hi - lo)
+            base += plan.num_bags[feature]
+        unique = sorted(set(lookups))
+        assert group.unique.tolist() == unique
+        assert [u for part in group.inverse for u in part.tolist()] == [unique.index(i) for i in lookups]
+        assert [part.numel() for part in group.inverse] == [
+            int(offsets[plan.bag_start[f] + plan.num_bags[f]] - offsets[plan.bag_start[f]]) for f in features
+        ]
+        row_offsets = group.row_offsets.tolist()
+        assert row_offsets[0] == 0
+        assert row_offsets[-1] == len(lookups)
+        assert len(row_offsets) == len(unique) + 1
+        for row, value in enumerate(unique):
+            span = group.order[row_offsets[row] : row_offsets[row + 1]].tolist()
+            assert sorted(span) == [p for p, i in enumerate(lookups) if i == value]
+            assert group.sorted_bags[row_offsets[row] : row_offsets[row + 1]].tolist() == [
+                lookup_bags[p] for p in span
+            ]

@@ -638,7 +638,9 @@ class KeyValueEmbeddingBags(nn.Module):
         grad_psw = (
             torch.zeros_like(per_sample_weights) if per_sample_weights is not None and want_psw else None
         )
-        offsets_device = plan.offsets.to(self._device, non_blocking=True)
+        # Bag lengths only where they are used: mean pooling and the per-sample-weight gradient.
+        need_lengths = self.pooling == "mean" or grad_psw is not None
+        offsets_device = plan.offsets.to(self._device, non_blocking=True) if need_lengths else None
         # Per table, in feature order: the gradient of each bag ([bags_f, D]) and the weight of each lookup.
         sources: dict[int, list[torch.Tensor]] = {}
         weights: dict[int, list[torch.Tensor]] = {}
@@ -649,15 +651,19 @@ class KeyValueEmbeddingBags(nn.Module):
             start = plan.bag_start[feature]
             grad_bags = bag_grads(plan, grad_output, feature, column, dim)
             column += dim
-            bag_offsets = offsets_device[start : start + bags + 1]
-            lengths = bag_offsets[1:] - bag_offsets[:-1]
+            lengths = None
+            if offsets_device is not None:
+                bag_offsets = offsets_device[start : start + bags + 1]
+                lengths = bag_offsets[1:] - bag_offsets[:-1]
             if self.pooling == "mean" and bags:
+                assert lengths is not None  # need_lengths
                 grad_bags = grad_bags / lengths.clamp(min=1).to(torch.float32)[:, None]
             sources.setdefault(table, []).append(grad_bags)
             if per_sample_weights is not None:
                 lo, hi = int(plan.offsets[start]), int(plan.offsets[start + bags])
                 weights.setdefault(table, []).append(per_sample_weights[lo:hi])
                 if grad_psw is not None and bags:
+                    assert lengths is not None  # need_lengths
                     lookups = indices_device[feature]
                     bag_of_lookup = torch.repeat_interleave(
                         torch.arange(bags, device=self._device), lengths, output_size=lookups.numel()

@@ -235,50 +235,71 @@ def check_offset_values(first: int, last: int, lookups: int, *, decreasing: bool
 def group_batch(
     plan: Plan, indices_cpu: torch.Tensor, feature_table_map: Sequence[int]
 ) -> dict[int, TableGroup]:
-    """Per table: unique ids of the batch, each feature's lookups into them, and their transpose (host)."""
-    per_table: dict[int, list[int]] = {}
+    """Per table: unique ids of the batch, each feature's lookups into them, and their transpose (host).
+
+    One sort of every lookup of the batch by ``(table, id)`` gives all tables' unique ids, inverses and
+    transposes together (numpy over the whole batch); per table only slices of the results are taken, so the
+    host work per batch does not grow with the number of tables (no per-row or per-table array pass).
+    """
+    num_features = len(feature_table_map)
+    total_bags = plan.bag_start[-1] + plan.num_bags[-1] if num_features else 0
+    offsets = plan.offsets.numpy()
+    # Lookups of feature f: [bounds[f], bounds[f + 1]) (features are contiguous, in order).
+    bounds = offsets[np.array([*plan.bag_start, total_bags], dtype=np.int64)]
+    counts = np.diff(bounds)
+    ids = indices_cpu.numpy()[bounds[0] : bounds[-1]]
+    tables = np.asarray(feature_table_map, dtype=np.int64)
+    # Where each feature starts within its table's concatenation of features (lookups and bags), as a shift
+    # from its position in the batch.
+    lookup_shift = np.empty(num_features, dtype=np.int64)
+    bag_shift = np.empty(num_features, dtype=np.int64)
+    table_lookups: dict[int, int] = {}
+    table_bags: dict[int, int] = {}
+    features: dict[int, list[int]] = {}
     for feature, table in enumerate(feature_table_map):
-        per_table.setdefault(table, []).append(feature)
+        lookup_shift[feature] = bounds[feature] - bounds[0] - table_lookups.get(table, 0)
+        bag_shift[feature] = plan.bag_start[feature] - table_bags.get(table, 0)
+        table_lookups[table] = table_lookups.get(table, 0) + int(counts[feature])
+        table_bags[table] = table_bags.get(table, 0) + plan.num_bags[feature]
+        features.setdefault(table, []).append(feature)
+    n = ids.shape[0]
+    table_of_lookup = np.repeat(tables, counts)
+    local_position = np.arange(n, dtype=np.int64) - np.repeat(lookup_shift, counts)
+    lengths = np.diff(offsets[: total_bags + 1])
+    local_bag = np.repeat(np.arange(total_bags, dtype=np.int64), lengths)[:n] - np.repeat(bag_shift, counts)
+    # The order within one (table, id) does not matter (it only orders the terms of that row's gradient sum).
+    order, sorted_ids = sort_with_order(ids, table_of_lookup, int(tables.max()) + 1 if num_features else 1)
+    sorted_tables = table_of_lookup[order]
+    is_first = np.empty(n, dtype=np.bool_)
+    if n:
+        is_first[0] = True
+        np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=is_first[1:])
+        is_first[1:] |= sorted_tables[1:] != sorted_tables[:-1]
+    starts = np.flatnonzero(is_first)
+    unique_ids = sorted_ids[starts]
+    unique_tables = sorted_tables[starts]
+    names = np.array(sorted(features), dtype=np.int64)
+    lookup_lo = np.searchsorted(sorted_tables, names, "left")
+    lookup_hi = np.searchsorted(sorted_tables, names, "right")
+    unique_lo = np.searchsorted(unique_tables, names, "left")
+    unique_hi = np.searchsorted(unique_tables, names, "right")
+    # Position of each sorted lookup's row among its table's unique rows.
+    rank = np.cumsum(is_first, dtype=np.int64) - 1
+    rank -= np.repeat(unique_lo, lookup_hi - lookup_lo)
+    inverse_np = np.empty(n, dtype=np.int64)
+    inverse_np[order] = rank
+    inverse = torch.from_numpy(inverse_np).split_with_sizes(counts.tolist())
+    sorted_local = local_position[order]
+    sorted_bags = local_bag[order]
     groups: dict[int, TableGroup] = {}
-    for table, features in per_table.items():
-        parts: list[torch.Tensor] = []
-        bag_parts: list[torch.Tensor] = []
-        base = 0
-        for feature in features:
-            first, bags = plan.bag_start[feature], plan.num_bags[feature]
-            bag_offsets = plan.offsets[first : first + bags + 1]
-            lo, hi = int(bag_offsets[0]), int(bag_offsets[-1])
-            parts.append(indices_cpu[lo:hi])
-            bag_parts.append(
-                torch.repeat_interleave(
-                    torch.arange(base, base + bags, dtype=torch.int64),
-                    bag_offsets[1:] - bag_offsets[:-1],
-                    output_size=hi - lo,
-                )
-            )
-            base += bags
-        ids = parts[0] if len(parts) == 1 else torch.cat(parts)
-        lookup_bags = bag_parts[0] if len(bag_parts) == 1 else torch.cat(bag_parts)
-        # One sort gives the unique ids, the inverse and the transpose together (numpy, no per-id
-        # Python). The order within one id does not matter (it only orders the terms of that row's
-        # gradient sum).
-        order_np, sorted_np = sort_with_order(ids.numpy())
-        n = sorted_np.shape[0]
-        is_first = np.empty(n, dtype=np.bool_)
-        if n:
-            is_first[0] = True
-            np.not_equal(sorted_np[1:], sorted_np[:-1], out=is_first[1:])
-        starts = np.flatnonzero(is_first)
-        inverse_np = np.empty(n, dtype=np.int64)
-        inverse_np[order_np] = np.cumsum(is_first, dtype=np.int64) - 1
-        inverse = torch.from_numpy(inverse_np)
-        order = torch.from_numpy(order_np)
+    for i, table in enumerate(names.tolist()):
+        lo, hi, u_lo, u_hi = int(lookup_lo[i]), int(lookup_hi[i]), int(unique_lo[i]), int(unique_hi[i])
         groups[table] = TableGroup(
-            unique=torch.from_numpy(sorted_np[starts]),
-            inverse=list(inverse.split_with_sizes([p.numel() for p in parts])),
-            order=order,
-            sorted_bags=lookup_bags.index_select(0, order),
-            row_offsets=torch.from_numpy(np.append(starts, n)),
+            unique=torch.from_numpy(unique_ids[u_lo:u_hi]),
+            inverse=[inverse[feature] for feature in features[table]],
+            order=torch.from_numpy(sorted_local[lo:hi]),
+            sorted_bags=torch.from_numpy(sorted_bags[lo:hi]),
+            row_offsets=torch.from_numpy(np.append(starts[u_lo:u_hi] - lo, hi - lo)),
         )
     return groups
 
@@ -296,27 +317,31 @@ def device_inverse(plan: Plan, feature_table_map: Sequence[int], device: torch.d
 
 def sort_with_order(
     ids: np.ndarray[Any, np.dtype[np.int64]],
+    groups: np.ndarray[Any, np.dtype[np.int64]] | None = None,
+    num_groups: int = 1,
 ) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
-    """``(order, ids[order])`` with ``ids[order]`` ascending (order among equal ids unspecified).
+    """``(order, ids[order])`` with ``ids[order]`` ascending (order among equal ids unspecified); with
+    ``groups`` (``[N]`` in ``[0, num_groups)``), ordered by ``(groups, ids)``.
 
-    When the id range and the positions fit together in 63 bits (ids of a few billion rows), sorts
-    ``(id - min) << bits | position`` keys with one ``np.sort``, about 3x faster than ``np.argsort``;
-    otherwise falls back to ``np.argsort``.
+    When the group, the id range and the positions fit together in 63 bits (ids of a few billion rows), sorts
+    ``group << a | (id - min) << b | position`` keys with one ``np.sort``, about 3x faster than ``np.argsort``;
+    otherwise falls back to ``np.argsort`` (``np.lexsort`` with groups).
     """
     n = ids.shape[0]
     if n < 2:
         return np.arange(n, dtype=np.int64), ids.copy()
     low, high = int(ids.min()), int(ids.max())
     bits = (n - 1).bit_length()
-    if (high - low) >> (63 - bits):
-        order = np.argsort(ids)
+    group_bits = (num_groups - 1).bit_length() if groups is not None else 0
+    id_bits = 63 - bits - group_bits
+    if id_bits <= 0 or (high - low) >> id_bits:
+        order = np.argsort(ids) if groups is None else np.lexsort((ids, groups))
         return order, ids[order]
     keys = ids - low if low else ids.copy()
+    if groups is not None and group_bits:
+        keys |= groups << id_bits
     keys <<= bits
     keys |= np.arange(n, dtype=np.int64)
     keys.sort()
     order = keys & ((1 << bits) - 1)
-    keys >>= bits
-    if low:
-        keys += low
-    return order, keys
+    return order, ids[order]

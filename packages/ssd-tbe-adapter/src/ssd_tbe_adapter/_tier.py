@@ -126,9 +126,10 @@ class CacheTier:
         with self.lock:
             self.wait_insert_event()
             tick = self.next_tick()
-            slots = prior if prior is not None and cache.holds(prior, ids) else cache.lookup(ids)
-            all_hit = bool((slots >= 0).all())
-            if all_hit:
+            # Slots that still hold their ids are all hits: no second pass over them.
+            held = prior is not None and cache.holds(prior, ids)
+            slots = prior if held and prior is not None else cache.lookup(ids)
+            if held or bool((slots >= 0).all()):
                 hit_positions = None
                 hit_slots = slots
                 hints[table] = slots
@@ -192,9 +193,9 @@ class CacheTier:
         cache = self.caches[table]
         with self.lock:
             self.wait_insert_event()
-            slots = None
-            slots = hint if hint is not None and cache.holds(hint, ids) else cache.lookup(ids)
-            if ids.numel() and bool((slots >= 0).all()):
+            held = hint is not None and cache.holds(hint, ids)
+            slots = hint if held and hint is not None else cache.lookup(ids)
+            if ids.numel() and (held or bool((slots >= 0).all())):
                 hit_positions = None
                 hit_slots = slots
             else:
