@@ -184,3 +184,41 @@ def test_other_tbes_keep_the_module_path() -> None:
     assert "subclass" in str(lookup.fbgemm_paths[1])
     features = VBEFeatures(["a", "b"], torch.tensor([1, 2, 3]), torch.tensor([1, 2]), [[1], [1]])
     assert lookup(features).values().shape == (16,)
+
+
+@pytest.mark.parametrize("call", ["direct", "module"])
+@pytest.mark.parametrize("merge", ["preallocated", "legacy"])
+@pytest.mark.parametrize("device", _devices())
+def test_fbgemm_tbe_with_bags_but_no_ids_is_not_called(device: str, merge: str, call: str) -> None:
+    """A TBE whose bags are all empty gives zero blocks and no update without being called (fbgemm 1.6's
+    CUDA backward dies of SIGFPE on such a call); the other kernels are unaffected."""
+    _require(device)
+    torch.manual_seed(0)
+    busy = _fbgemm.new_tbe([10, 10], [8, 4], optimizer="rowwise_adagrad", device=device)
+    idle = _fbgemm.new_tbe([10, 10], [4, 8], optimizer="rowwise_adagrad", device=device)
+    lookup = GroupedVBELookup(
+        [KernelGroup(busy, ["a", "b"], [8, 4]), KernelGroup(idle, ["c", "d"], [4, 8])],
+        merge=merge,  # type: ignore[arg-type]
+        fbgemm_call=call,  # type: ignore[arg-type]
+    )
+    alone = GroupedVBELookup([KernelGroup(busy, ["a", "b"], [8, 4])], fbgemm_call=call)  # type: ignore[arg-type]
+    # a, b: 2 + 1 bags with ids; c, d: 1 + 2 bags, all empty
+    values = torch.tensor([1, 2, 3, 4], device=device)
+    lengths = torch.tensor([2, 1, 1, 0, 0, 0], device=device)
+    stride = [[1, 1], [0, 1], [0, 1], [2, 0]]
+    features = VBEFeatures(["a", "b", "c", "d"], values, lengths, stride)
+    idle_rows = [w.clone() for w in idle.split_embedding_weights()]
+    with torch.no_grad():
+        reference = alone(VBEFeatures(["a", "b"], values, lengths[:3], stride[:2]))
+    out = lookup(features)
+    out.values().sum().backward()
+    per_rank = out.values_per_rank()
+    busy_per_rank = reference.values_per_rank()
+    # Rank 0: a (1 bag x 8), b (0 bags), c (0 bags), d (2 bags x 8, zeros); rank 1: a, b, c (1 x 4 zeros), d.
+    torch.testing.assert_close(per_rank[0][:8], busy_per_rank[0])
+    torch.testing.assert_close(per_rank[0][8:], torch.zeros(16, device=device))
+    torch.testing.assert_close(per_rank[1][:12], busy_per_rank[1])
+    torch.testing.assert_close(per_rank[1][12:], torch.zeros(4, device=device))
+    assert idle.step == 0
+    for before, after in zip(idle_rows, idle.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(before, after)
