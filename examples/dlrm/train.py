@@ -46,6 +46,7 @@ from examples.dlrm.data import (
     SyntheticCriteo,
     empty_batch,
 )
+from examples.dlrm.dense_step import DenseStep
 from examples.dlrm.embeddings import EmbeddingConfig, ShardedTables, build_sharded_tables
 from examples.dlrm.errors import ArgumentError, DLRMError
 from examples.dlrm.loader import BatchStream, worker_batches
@@ -389,6 +390,8 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
     ).to(device)
     dense_params = model.dense_parameters()
     optimizer = dense_optimizer(dense_params, lr=config.dense_lr)
+    # With the dense graphs, the dense Adagrad step is one graph replay too (same ops, same bits).
+    dense_step = DenseStep(optimizer, graph=config.graph_dense and device.type == "cuda")
     if config.graph_dense and device.type == "cuda":
         # The dense part as CUDA graph replays (one per padded batch size): host work under GPU work.
         low = config.batch_size if config.min_batch_size is None else config.min_batch_size
@@ -590,12 +593,12 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
             timer.lap("data + pipeline stages")
             if batch is None:
                 break
-            optimizer.zero_grad(set_to_none=True)
+            dense_step.zero_grad()
             loss = train_loss(batch)
             timer.lap("forward")
             loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is unannotated in torch
             timer.lap("backward (incl. fused sparse optimizer, dense all-reduce)")
-            optimizer.step()
+            dense_step.step()
             timer.lap("dense optimizer")
             step += 1
             window.losses.append(loss.detach())

@@ -1,0 +1,77 @@
+"""The DLRM's dense optimizer step: the graphed Adagrad step gives the eager step's bits, and falls back
+where it cannot be graphed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from examples.dlrm.dense_step import DenseStep
+from examples.dlrm.train import dense_optimizer
+
+
+def _mlp(device: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(13, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(device)
+
+
+def _train(
+    model: torch.nn.Module, step: DenseStep | None, optimizer: torch.optim.Adagrad, x: torch.Tensor
+) -> None:
+    if step is None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        step.zero_grad()
+    model(x).square().mean().backward()
+    if step is None:
+        optimizer.step()
+    else:
+        step.step()
+
+
+def _compare(
+    a: torch.nn.Module, oa: torch.optim.Adagrad, b: torch.nn.Module, ob: torch.optim.Adagrad
+) -> None:
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+        assert torch.equal(oa.state[pa]["sum"], ob.state[pb]["sum"])
+        assert float(oa.state[pa]["step"]) == float(ob.state[pb]["step"])
+
+
+def test_dense_step_on_cpu_is_the_eager_step() -> None:
+    """On the CPU nothing is graphed and the step is the optimizer's own."""
+    eager, stepped = _mlp("cpu"), _mlp("cpu")
+    oe, os_ = (
+        dense_optimizer(list(eager.parameters()), lr=0.1),
+        dense_optimizer(list(stepped.parameters()), lr=0.1),
+    )
+    step = DenseStep(os_, graph=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x = torch.randn(16, 13, generator=gen)
+        _train(eager, None, oe, x)
+        _train(stepped, step, os_, x)
+        _compare(eager, oe, stepped, os_)
+    assert not step.graphed
+
+
+@pytest.mark.gpu
+def test_graphed_dense_step_matches_the_eager_step_bit_for_bit() -> None:
+    """On CUDA the graph replays (after the warm-up) give the eager Adagrad's rows, sums and step counts,
+    also across a `load_state_dict` (the graph is captured again for the new state tensors)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    eager, stepped = _mlp("cuda"), _mlp("cuda")
+    oe = dense_optimizer(list(eager.parameters()), lr=0.05)
+    os_ = dense_optimizer(list(stepped.parameters()), lr=0.05)
+    step = DenseStep(os_, graph=True, warmup=2)
+    gen = torch.Generator().manual_seed(2)
+    for i in range(12):
+        x = torch.randn(64, 13, generator=gen).cuda()
+        _train(eager, None, oe, x)
+        _train(stepped, step, os_, x)
+        _compare(eager, oe, stepped, os_)
+        assert step.graphed == (i >= 2)
+        if i == 6:
+            os_.load_state_dict(oe.state_dict())
+    assert step.graphed
