@@ -152,6 +152,7 @@ class BenchConfig:
     max_rows: int
     kv_max_rows: int
     cache_rows: int
+    host_cache_rows: int
     warmup: int
     steps: int
     profile_steps: int
@@ -174,6 +175,7 @@ class BenchConfig:
             kv_max_rows=self.kv_max_rows,
             kv_rows_threshold=TrainConfig(out=self.out).kv_rows_threshold if kv else NO_KV,
             cache_rows=self.cache_rows,
+            host_cache_rows=self.host_cache_rows,
             kv_store="rocksdb",
             batch_pool=self.batch_pool,
             pipeline=pipeline,
@@ -385,6 +387,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-rows", type=int, default=20_000)
     p.add_argument("--kv-max-rows", type=int, default=10_000_000)
     p.add_argument("--cache-rows", type=int, default=65536)
+    p.add_argument("--host-cache-rows", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
     p.add_argument("--notes", default="", help="free text for the JSON's `notes` (machine load, versions)")
@@ -437,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                     max_rows=args.max_rows,
                     kv_max_rows=args.kv_max_rows,
                     cache_rows=args.cache_rows,
+                    host_cache_rows=args.host_cache_rows,
                     warmup=args.warmup,
                     steps=args.steps,
                     profile_steps=args.profile_steps,

@@ -39,6 +39,8 @@ class EmbeddingConfig:
         table_rows: rows (id space) of the table of each of the 26 sparse features.
         kv_features: features whose tables live in key-value tables (the others in TBEs).
         cache_rows: cache rows of each rank's key-value kernel.
+        host_cache_rows: rows of the host-DRAM tier under a key-value kernel's device cache (CUDA only: the
+            device cache is the only one with a tier below it; 0 for none).
         kv_store: ``"rocksdb"`` (on disk under the run folder) or ``"memory"``.
         tbe: ``"auto"`` (fbgemm on CUDA when it loads, TorchEmbeddingKernel on CPU), ``"fbgemm"`` or
             ``"torch"`` for the in-memory tables.
@@ -51,6 +53,7 @@ class EmbeddingConfig:
     table_rows: tuple[int, ...]
     kv_features: tuple[str, ...] = ()
     cache_rows: int = 4096
+    host_cache_rows: int = 0
     kv_store: str = "rocksdb"
     tbe: str = "auto"
     optimizer: str = "rowwise_adagrad"
@@ -68,6 +71,8 @@ class EmbeddingConfig:
             raise ValueError(f"`tbe` is {self.tbe!r}, expected 'auto', 'fbgemm' or 'torch'")
         if self.optimizer not in ("rowwise_adagrad", "sgd"):
             raise ValueError(f"`optimizer` is {self.optimizer!r}, expected 'rowwise_adagrad' or 'sgd'")
+        if self.host_cache_rows < 0:
+            raise ValueError(f"`host_cache_rows` is {self.host_cache_rows}, expected >= 0")
 
 
 def _table_name(feature: str) -> str:
@@ -143,12 +148,17 @@ class ShardedTables:
                 list(spec.feature_table_map),
                 store,
                 cache_rows=cfg.cache_rows,
+                host_cache_rows=cfg.host_cache_rows
+                if self.device.type == "cuda"
+                else 0,  # a device-cache tier
                 optimizer="rowwise_adagrad" if cfg.optimizer == "rowwise_adagrad" else "sgd",
                 learning_rate=cfg.learning_rate,
                 seed=cfg.seed,
                 device=self.device,
             )
-            kind = f"key-value ({cfg.kv_store}, cache {cfg.cache_rows} rows)"
+            host_tier = cfg.host_cache_rows if self.device.type == "cuda" else 0
+            kind = f"key-value ({cfg.kv_store}, cache {cfg.cache_rows} rows"
+            kind += f", host tier {host_tier} rows)" if host_tier else ")"
         else:
             kernel = None
             # "auto" takes fbgemm on CUDA only: fbgemm-gpu-cpu rebuilds its VBE metadata on the host at every

@@ -76,6 +76,7 @@ class TrainConfig:
     kv_rows_threshold: int = 1_000_000
     kv_max_rows: int = 10_000_000
     cache_rows: int = 4096
+    host_cache_rows: int = 0
     kv_store: str = "rocksdb"
     tbe: str = "auto"
     dense_lr: float = 0.05
@@ -143,6 +144,7 @@ class TrainConfig:
                 if c >= self.kv_rows_threshold
             ),
             cache_rows=self.cache_rows,
+            host_cache_rows=self.host_cache_rows,
             kv_store=self.kv_store,
             tbe=self.tbe,
             optimizer=self.optimizer,
@@ -900,6 +902,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument(
         "--cache-rows", type=int, default=defaults.cache_rows, help="cache rows per key-value kernel"
     )
+    p.add_argument(
+        "--host-cache-rows",
+        type=int,
+        default=defaults.host_cache_rows,
+        help="rows of a host-DRAM tier under each key-value kernel's device cache (CUDA; 0: none)",
+    )
     p.add_argument("--kv-store", choices=["rocksdb", "memory"], default=defaults.kv_store)
     p.add_argument("--tbe", choices=["auto", "fbgemm", "torch"], default=defaults.tbe)
     p.add_argument("--dense-lr", type=float, default=defaults.dense_lr)
@@ -980,6 +988,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         kv_rows_threshold=a.kv_rows_threshold,
         kv_max_rows=a.kv_max_rows,
         cache_rows=a.cache_rows,
+        host_cache_rows=a.host_cache_rows,
         kv_store=a.kv_store,
         tbe=a.tbe,
         dense_lr=a.dense_lr,
