@@ -5,7 +5,8 @@ hooks, grouping the tensors by device and dtype, ~8 foreach launches) for a few 
 :class:`DenseStep` runs the same foreach ops, in the same order with the same scalars (so the same bits as
 ``torch.optim.Adagrad.step``), captured once in a CUDA graph, followed by zeroing the gradients in the same
 graph; each step then costs one replay and one host-side add to the optimizer's step counters (kept for
-its ``state_dict``). The gradients stay allocated (zeroed, not set to ``None``) so that the graph reads
+its ``state_dict``), run through the optimizer's step wrapper so that its step hooks (which profilers and
+the bench count steps with) fire as for ``step()``. The gradients stay allocated (zeroed, not set to ``None``) so that the graph reads
 the tensors the backward accumulates into.
 
 The graph is used only where it reproduces the eager step: CUDA parameters with dense gradients, every
@@ -67,6 +68,10 @@ class DenseStep:
                 self._eager_steps += 1
                 return
             self._capture(params)
+        # Through the optimizer's own step wrapper: its pre/post step hooks and profiler label, as for step().
+        _hooked_replay(self.optimizer, self)
+
+    def _replay(self) -> None:
         assert self._captured is not None
         self._captured.replay()
         torch._foreach_add_(self._steps, 1.0)
@@ -107,3 +112,10 @@ class DenseStep:
         self._tensors = [*grads, *sums]  # type: ignore[list-item]
         self._steps = [state[p]["step"] for p in params]
         self._lrs = [group["lr"] for group in self.optimizer.param_groups]
+
+
+@torch.optim.Optimizer.profile_hook_step
+def _hooked_replay(optimizer: torch.optim.Optimizer, step: DenseStep) -> None:
+    """``step``'s graph replay as a step of ``optimizer`` (hooks that count or time steps see it)."""
+    del optimizer  # the wrapper's `self`
+    step._replay()

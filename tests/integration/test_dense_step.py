@@ -65,6 +65,8 @@ def test_graphed_dense_step_matches_the_eager_step_bit_for_bit() -> None:
     oe = dense_optimizer(list(eager.parameters()), lr=0.05)
     os_ = dense_optimizer(list(stepped.parameters()), lr=0.05)
     step = DenseStep(os_, graph=True, warmup=2)
+    seen: list[int] = []
+    handle = torch.optim.optimizer.register_optimizer_step_post_hook(lambda o, a, k: seen.append(id(o)))
     gen = torch.Generator().manual_seed(2)
     for i in range(12):
         x = torch.randn(64, 13, generator=gen).cuda()
@@ -74,4 +76,6 @@ def test_graphed_dense_step_matches_the_eager_step_bit_for_bit() -> None:
         assert step.graphed == (i >= 2)
         if i == 6:
             os_.load_state_dict(oe.state_dict())
+    handle.remove()
     assert step.graphed
+    assert seen.count(id(os_)) == 12  # every step, replays too, is seen by step hooks
