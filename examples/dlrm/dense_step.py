@@ -97,7 +97,7 @@ class DenseStep:
         sums = [state[p]["sum"] for p in params]
         assert all(g is not None for g in grads)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.no_grad(), torch.cuda.graph(graph):  # an optimizer's update is not part of autograd
             for group_params, lr, eps in groups:
                 g = [p.grad for p in group_params]
                 s = [state[p]["sum"] for p in group_params]

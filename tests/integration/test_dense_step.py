@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from examples.dlrm.dense_step import DenseStep
 from examples.dlrm.train import dense_optimizer
@@ -66,7 +67,7 @@ def test_graphed_dense_step_matches_the_eager_step_bit_for_bit() -> None:
     os_ = dense_optimizer(list(stepped.parameters()), lr=0.05)
     step = DenseStep(os_, graph=True, warmup=2)
     seen: list[int] = []
-    handle = torch.optim.optimizer.register_optimizer_step_post_hook(lambda o, a, k: seen.append(id(o)))
+    handle = register_optimizer_step_post_hook(lambda o, a, k: seen.append(id(o)))
     gen = torch.Generator().manual_seed(2)
     for i in range(12):
         x = torch.randn(64, 13, generator=gen).cuda()

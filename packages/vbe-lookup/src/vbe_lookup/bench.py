@@ -5,7 +5,7 @@ Compares, in one run, interleaved, medians:
 - ``single``: one kernel holding every table (the target: no merge at all);
 - ``preallocated-K``: the features split over K kernels (K = 2..4), one pre-allocated 1-D output
   (fbgemm TBEs on CUDA write in place through ``vbe_output``, chained; elsewhere one cached-index copy);
-- ``legacy-K``: the same kernels with torchrec's split/permute/cat merge;
+- ``legacy-K``: torchrec's path over the same kernels: each through its module, split/permute/cat merge;
 - with fbgemm, ``single-module`` and ``preallocated-K-module``: the same lookups calling every TBE through
   its Python module (``fbgemm_call="module"``) instead of its lookup op with per-layout arguments;
 - on CUDA with fbgemm, ``fbgemm-chain-2``: fbgemm's own ``vbe_output`` chain without our per-layout
@@ -92,7 +92,9 @@ def _build_impls(args: argparse.Namespace, device: torch.device, kind: str) -> l
         if fbgemm:
             lookup = GroupedVBELookup(groups, fbgemm_call="module")
             impls.append(_Impl(name=f"preallocated-{k}-module", lookup=lookup, kernels=k))
-        impls.append(_Impl(name=f"legacy-{k}", lookup=GroupedVBELookup(groups, merge="legacy"), kernels=k))
+        # torchrec's path: every TBE through its module, then its split/permute/cat merge.
+        legacy = GroupedVBELookup(groups, merge="legacy", fbgemm_call="module")
+        impls.append(_Impl(name=f"legacy-{k}", lookup=legacy, kernels=k))
     if kind == "fbgemm" and device.type == "cuda":
         groups = [
             KernelGroup(_kernel(kind, rows[a:b], dims[a:b], device, args), keys[a:b], dims[a:b])
