@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DenseStep"]
+__all__ = ["DenseStep", "update_and_reset"]
 
 _SUPPORTED = {"lr_decay": 0, "weight_decay": 0, "maximize": False, "differentiable": False}
 
@@ -89,25 +89,12 @@ class DenseStep:
     def _capture(self, params: list[torch.Tensor]) -> None:
         """Record this step's update and the gradients' reset (not run: :meth:`step` replays it)."""
         state = self.optimizer.state
-        groups = [
-            (list(group["params"]), float(group["lr"]), float(group["eps"]))
-            for group in self.optimizer.param_groups
-        ]
         grads = [p.grad for p in params]
         sums = [state[p]["sum"] for p in params]
         assert all(g is not None for g in grads)
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph):  # an optimizer's update is not part of autograd
-            for group_params, lr, eps in groups:
-                g = [p.grad for p in group_params]
-                s = [state[p]["sum"] for p in group_params]
-                # torch.optim.Adagrad's multi-tensor update with lr_decay == weight_decay == 0, op by op.
-                torch._foreach_addcmul_(s, g, g, value=1)
-                std = torch._foreach_sqrt(s)
-                torch._foreach_add_(std, eps)
-                numerator = torch._foreach_mul(g, [-lr] * len(g))
-                torch._foreach_addcdiv_(group_params, numerator, std)
-            torch._foreach_zero_(grads)  # type: ignore[arg-type]
+            update_and_reset(self.optimizer)
         self._captured = graph
         self._tensors = [*grads, *sums]  # type: ignore[list-item]
         self._steps = [state[p]["step"] for p in params]
@@ -119,3 +106,19 @@ def _hooked_replay(optimizer: torch.optim.Optimizer, step: DenseStep) -> None:
     """``step``'s graph replay as a step of ``optimizer`` (hooks that count or time steps see it)."""
     del optimizer  # the wrapper's `self`
     step._replay()
+
+
+def update_and_reset(optimizer: torch.optim.Adagrad) -> None:
+    """What the graph holds: ``optimizer``'s multi-tensor update (``lr_decay == weight_decay == 0``), op by
+    op as ``torch.optim.Adagrad`` runs it, then every gradient zeroed. Its step counters are not touched."""
+    state = optimizer.state
+    for group in optimizer.param_groups:
+        params = list(group["params"])
+        g = [p.grad for p in params]
+        s = [state[p]["sum"] for p in params]
+        torch._foreach_addcmul_(s, g, g, value=1)
+        std = torch._foreach_sqrt(s)
+        torch._foreach_add_(std, float(group["eps"]))
+        numerator = torch._foreach_mul(g, [-float(group["lr"])] * len(g))
+        torch._foreach_addcdiv_(params, numerator, std)
+    torch._foreach_zero_([p.grad for group in optimizer.param_groups for p in group["params"]])

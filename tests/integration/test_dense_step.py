@@ -3,11 +3,13 @@ where it cannot be graphed."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from examples.dlrm.dense_step import DenseStep
+from examples.dlrm.dense_step import DenseStep, update_and_reset
 from examples.dlrm.train import dense_optimizer
 
 
@@ -56,6 +58,33 @@ def test_dense_step_on_cpu_is_the_eager_step() -> None:
     assert not step.graphed
 
 
+def test_graph_body_is_the_eager_adagrad_step_bit_for_bit() -> None:
+    """What the graph records (run eagerly here, on the CPU), accumulating into its zeroed gradients, gives the
+    bits of `torch.optim.Adagrad`'s own steps with fresh gradients."""
+    eager, body = _mlp("cpu"), _mlp("cpu")
+    oe, ob = (
+        dense_optimizer(list(eager.parameters()), lr=0.1),
+        dense_optimizer(list(body.parameters()), lr=0.1),
+    )
+    gen = torch.Generator().manual_seed(3)
+    for i in range(8):
+        x = torch.randn(16, 13, generator=gen)
+        _train(eager, None, oe, x)
+        if i < 2:  # eager warm-up: the optimizer's state exists
+            _train(body, None, ob, x)
+        else:
+            if i == 2:  # as DenseStep.zero_grad before its first capture; the graph zeroes them after
+                ob.zero_grad(set_to_none=True)
+            body(x).square().mean().backward()
+            with torch.no_grad():
+                update_and_reset(ob)
+            for p in body.parameters():
+                ob.state[p]["step"] += 1
+                assert p.grad is not None
+                assert not p.grad.any()
+        _compare(eager, oe, body, ob)
+
+
 @pytest.mark.gpu
 def test_graphed_dense_step_matches_the_eager_step_bit_for_bit() -> None:
     """On CUDA the graph replays (after the warm-up) give the eager Adagrad's rows, sums and step counts,
@@ -76,7 +105,7 @@ def test_graphed_dense_step_matches_the_eager_step_bit_for_bit() -> None:
         _compare(eager, oe, stepped, os_)
         assert step.graphed == (i >= 2)
         if i == 6:
-            os_.load_state_dict(oe.state_dict())
+            os_.load_state_dict(copy.deepcopy(oe.state_dict()))  # load_state_dict keeps the given tensors
     handle.remove()
     assert step.graphed
     assert seen.count(id(os_)) == 12  # every step, replays too, is seen by step hooks
