@@ -8,9 +8,12 @@ per-id weights, rows, optimizer state and fbgemm's counters must agree after eve
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,46 +138,94 @@ def _train_layout(seed: int, device: str, call: str) -> dict[str, Any]:
     return record
 
 
+LAYOUTS = range(12)
+
+# Trains layouts one after the other in a child process, writing `<call>-<seed>.started` before and
+# `<call>-<seed>.pt` after each; `CRASH_AT` (tests of the runner only) kills the child at that layout.
 _CHILD = """
-import sys, torch
-sys.path.insert(0, sys.argv[4])
+import os, signal, sys, torch
+sys.path.insert(0, sys.argv[1])
 import test_fbgemm_direct as t
-torch.save(t._train_layout(int(sys.argv[1]), "cuda", sys.argv[2]), sys.argv[3])
+device, call, out = sys.argv[2], sys.argv[3], sys.argv[4]
+for seed in map(int, sys.argv[5:]):
+    open(os.path.join(out, f"{call}-{seed}.started"), "w").close()
+    if os.environ.get("CRASH_AT") == str(seed):
+        os.kill(os.getpid(), signal.SIGFPE)
+    torch.save(t._train_layout(seed, device, call), os.path.join(out, f"{call}-{seed}.pt"))
 """
 
 
-def _train_layout_in_child(seed: int, call: str, out: Path) -> int:
-    """:func:`_train_layout` on CUDA in a child process (an fbgemm crash kills only the child); its exit code."""
+def _train_layouts_in_children(
+    device: str, call: str, seeds: Sequence[int], out: Path, env: dict[str, str] | None = None
+) -> dict[int, Any]:
+    """:func:`_train_layout` of every seed through ``call`` in child processes (an fbgemm crash kills only
+    its child; the next child goes on after the layout it died on): per seed, the record or the exit code."""
     here = str(Path(__file__).resolve().parent)
-    child = subprocess.run([sys.executable, "-c", _CHILD, str(seed), call, str(out), here], timeout=300)
-    return child.returncode
+    results: dict[int, Any] = {}
+    todo = list(seeds)
+    while todo:
+        args = [sys.executable, "-c", _CHILD, here, device, call, str(out), *map(str, todo)]
+        code = subprocess.run(args, timeout=600, env=env).returncode
+        done = 0
+        for seed in todo:
+            if (out / f"{call}-{seed}.pt").exists():
+                results[seed] = torch.load(out / f"{call}-{seed}.pt", weights_only=False)
+            elif (out / f"{call}-{seed}.started").exists():
+                results[seed] = code  # the layout the child died on
+            else:
+                break
+            done += 1
+        if not done:
+            raise AssertionError(f"a child exited with {code} before it trained layout {todo[0]}")
+        todo = todo[done:]
+    return results
 
 
-@pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("seed", range(12), ids=lambda s: f"layout{s}")
-def test_direct_op_path_matches_the_module_path(device: str, seed: int, tmp_path: Path) -> None:
-    """Direct-op and module lookups agree on outputs, weight grads, rows, optimizer state and counters.
+@pytest.fixture(scope="module")
+def cuda_layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, Any]]:
+    """Every layout trained on CUDA by each path, in child processes."""
+    _require("cuda")
+    out = tmp_path_factory.mktemp("layouts")
+    return {call: _train_layouts_in_children("cuda", call, LAYOUTS, out) for call in ("direct", "module")}
 
-    On CUDA each path trains in a child process: fbgemm-gpu 1.6's CUDA backward kills the process with a
-    floating-point exception on some layouts (layout 7 here) by its module path as well; such a layout is
-    skipped when both paths die of the same signal, and fails when only one does."""
-    _require(device)
-    if device == "cpu":
-        direct, module = _train_layout(seed, device, "direct"), _train_layout(seed, device, "module")
-    else:
-        codes = {
-            call: _train_layout_in_child(seed, call, tmp_path / f"{call}.pt") for call in ("direct", "module")
-        }
-        if codes["direct"] < 0 and codes["direct"] == codes["module"]:
-            pytest.skip(f"fbgemm dies of signal {-codes['module']} on this layout by its module path too")
-        assert codes == {"direct": 0, "module": 0}, f"child exit codes {codes}"
-        direct = torch.load(tmp_path / "direct.pt", weights_only=False)
-        module = torch.load(tmp_path / "module.pt", weights_only=False)
+
+def _check_paths_agree(direct: dict[str, Any], module: dict[str, Any]) -> None:
     assert direct["paths"] == ("direct",) * len(direct["paths"])
     assert all(p is not None and p.startswith("module:") for p in module["paths"])
     for key in ("outputs", "weight_grads", "state"):
         torch.testing.assert_close(direct[key], module[key])
     assert direct["steps"] == module["steps"]
+
+
+@pytest.mark.parametrize("seed", LAYOUTS, ids=lambda s: f"layout{s}")
+def test_direct_op_path_matches_the_module_path(seed: int) -> None:
+    """Direct-op and module lookups agree on outputs, weight grads, rows, optimizer state and counters (CPU)."""
+    _check_paths_agree(_train_layout(seed, "cpu", "direct"), _train_layout(seed, "cpu", "module"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", LAYOUTS, ids=lambda s: f"layout{s}")
+def test_direct_op_path_matches_the_module_path_on_cuda(
+    seed: int, cuda_layouts: dict[str, dict[int, Any]]
+) -> None:
+    """The same on CUDA, each path trained in child processes: fbgemm-gpu 1.6's CUDA backward kills the
+    process with a floating-point exception on some layouts (layout 7 here) by its module path as well; such a
+    layout is skipped when both paths die of the same signal, and fails when only one does."""
+    direct, module = cuda_layouts["direct"][seed], cuda_layouts["module"][seed]
+    if isinstance(direct, int) and direct < 0 and direct == module:
+        pytest.skip(f"fbgemm dies of signal {-direct} on this layout by its module path too")
+    assert isinstance(direct, dict), f"the direct path's child exited with {direct}"
+    assert isinstance(module, dict), f"the module path's child exited with {module}"
+    _check_paths_agree(direct, module)
+
+
+def test_layout_runner_goes_on_after_a_dead_child(tmp_path: Path) -> None:
+    """The child runner records the signal of the layout a child died on and trains the others (on the CPU)."""
+    env = {**os.environ, "CRASH_AT": "1"}
+    results = _train_layouts_in_children("cpu", "direct", [0, 1, 2], tmp_path, env)
+    assert results[1] == -signal.SIGFPE
+    _check_paths_agree(results[0], _train_layout(0, "cpu", "module"))
+    _check_paths_agree(results[2], _train_layout(2, "cpu", "module"))
 
 
 @pytest.mark.parametrize("device", _devices())
