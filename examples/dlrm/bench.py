@@ -159,6 +159,7 @@ class BenchConfig:
     out: Path
     rank: int = 0
     world_size: int = 1
+    tbe: str = "auto"
 
     @property
     def total_steps(self) -> int:
@@ -176,6 +177,7 @@ class BenchConfig:
             kv_rows_threshold=TrainConfig(out=self.out).kv_rows_threshold if kv else NO_KV,
             cache_rows=self.cache_rows,
             host_cache_rows=self.host_cache_rows,
+            tbe=self.tbe,
             kv_store="rocksdb",
             batch_pool=self.batch_pool,
             pipeline=pipeline,
@@ -388,6 +390,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-max-rows", type=int, default=10_000_000)
     p.add_argument("--cache-rows", type=int, default=65536)
     p.add_argument("--host-cache-rows", type=int, default=0)
+    p.add_argument(
+        "--tbe", choices=["auto", "fbgemm", "torch"], default="auto", help="our in-memory tables' kernel"
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
     p.add_argument("--notes", default="", help="free text for the JSON's `notes` (machine load, versions)")
@@ -441,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                     kv_max_rows=args.kv_max_rows,
                     cache_rows=args.cache_rows,
                     host_cache_rows=args.host_cache_rows,
+                    tbe=args.tbe,
                     warmup=args.warmup,
                     steps=args.steps,
                     profile_steps=args.profile_steps,

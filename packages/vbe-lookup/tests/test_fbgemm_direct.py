@@ -87,6 +87,11 @@ def _batch(config: dict[str, Any], rng: random.Random, device: str, seed: int) -
     keys = [name for k in kernels for name in k["features"]]
     rows = [r for k in kernels for r in k["rows"]]
     stride = [[rng.choice([0, 1, 2, 5]) for _ in range(config["ranks"])] for _ in keys]
+    # On the CPU some steps have a sharded step's layout (every feature has each rank's batch): the direct
+    # path calls fbgemm-gpu-cpu without VBE there. (CUDA keeps the layouts the H200 ran.)
+    if device == "cpu" and random.Random(seed).random() < 0.4:
+        batch = [random.Random(seed + r).choice([1, 2, 5]) for r in range(config["ranks"])]
+        stride = [list(batch) for _ in keys]
     order = list(range(len(keys)))
     rng.shuffle(order)  # the input's key order differs from the groups'
     return random_features(
@@ -274,9 +279,8 @@ def test_other_tbes_keep_the_module_path() -> None:
 @pytest.mark.parametrize("call", ["direct", "module"])
 @pytest.mark.parametrize("merge", ["preallocated", "legacy"])
 @pytest.mark.parametrize("device", _devices())
-def test_fbgemm_tbe_with_bags_but_no_ids_is_not_called(device: str, merge: str, call: str) -> None:
-    """A TBE whose bags are all empty gives zero blocks and no update without being called (fbgemm 1.6's
-    CUDA backward dies of SIGFPE on such a call); the other kernels are unaffected."""
+def test_fbgemm_tbe_with_bags_but_no_ids(device: str, merge: str, call: str) -> None:
+    """A TBE whose bags are all empty gives zero blocks and updates no row; the other kernels are unaffected."""
     _require(device)
     torch.manual_seed(0)
     busy = _fbgemm.new_tbe([10, 10], [8, 4], optimizer="rowwise_adagrad", device=device)
@@ -304,6 +308,5 @@ def test_fbgemm_tbe_with_bags_but_no_ids_is_not_called(device: str, merge: str, 
     torch.testing.assert_close(per_rank[0][8:], torch.zeros(16, device=device))
     torch.testing.assert_close(per_rank[1][:12], busy_per_rank[1])
     torch.testing.assert_close(per_rank[1][12:], torch.zeros(4, device=device))
-    assert idle.step == 0
     for before, after in zip(idle_rows, idle.split_embedding_weights(), strict=True):
         torch.testing.assert_close(before, after)

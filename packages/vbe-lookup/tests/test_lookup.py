@@ -381,8 +381,10 @@ def test_gradients_reach_every_kernel_once() -> None:
 
 @pytest.mark.skipif(not HAS_FBGEMM, reason="fbgemm unavailable")
 def test_fbgemm_vbe_metadata_is_cached_per_layout() -> None:
-    """A wrapped TBE builds its VBE metadata once per layout and still computes the same output."""
+    """A wrapped TBE called through its module builds its VBE metadata once per layout and still computes the
+    same output."""
     lookup, tables = _two_kernel_lookup(second="fbgemm")
+    lookup = GroupedVBELookup(lookup.groups, fbgemm_call="module")
     tbe = lookup.groups[1].kernel
     stride = [[2, 1], [1, 3], [2, 2]]
     for seed in range(3):
@@ -391,5 +393,5 @@ def test_fbgemm_vbe_metadata_is_cached_per_layout() -> None:
         )
         torch.testing.assert_close(lookup(features).values(), reference_pooled(tables, features))
     assert len(getattr(tbe, "_vbe_lookup_metadata_cache", ())) == 1
-    uncached = GroupedVBELookup(lookup.groups, cache_fbgemm_metadata=False)
+    uncached = GroupedVBELookup(lookup.groups, cache_fbgemm_metadata=False, fbgemm_call="module")
     torch.testing.assert_close(uncached(features).values(), reference_pooled(tables, features))

@@ -758,7 +758,6 @@ class GroupedVBELookup(nn.Module):
         device: torch.device,
     ) -> torch.Tensor:
         dtype = self.output_dtype
-        inputs, zero_blocks = self._drop_empty_fbgemm_calls(inputs)
         if len(self.groups) == 1:
             # A single kernel never merges: its own VBE output is already in the final order.
             item = inputs[0]
@@ -769,7 +768,7 @@ class GroupedVBELookup(nn.Module):
             return y.reshape(-1).to(dtype)
         if self.merge == "legacy":
             return self._legacy_merge(layout, inputs, device)
-        out = (torch.zeros if zero_blocks else torch.empty)(layout.total, dtype=dtype, device=device)
+        out = torch.empty(layout.total, dtype=dtype, device=device)
         in_place = self._in_place_on(device)
         # Placement copies first, into the plain buffer: a tensor an in-place kernel returned may be a view
         # created inside its custom autograd function (fbgemm returns `vbe_output` as-is), on which an
@@ -788,24 +787,6 @@ class GroupedVBELookup(nn.Module):
                     out = out.reshape(-1)
         self._count_iterations(inputs)
         return out
-
-    def _drop_empty_fbgemm_calls(
-        self, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None], bool]:
-        """``inputs`` without the fbgemm calls that have bags but no ids, and whether there were any.
-
-        fbgemm-gpu 1.6's CUDA backward dies of a floating-point exception (SIGFPE, the process is
-        killed) for a TBE given bags but no ids, by either path; such a call's output is all zeros and
-        its update touches no row, so it is not made and its blocks are zero-filled instead. The id
-        count is a host-side shape: no sync.
-        """
-        dropped = False
-        for g_i, item in enumerate(inputs):
-            if item is not None and self._fbgemm_groups[g_i] and item[0].numel() == 0:
-                if not dropped:
-                    inputs, dropped = list(inputs), True
-                inputs[g_i] = None
-        return inputs, dropped
 
     def _call(
         self,
@@ -875,7 +856,7 @@ class GroupedVBELookup(nn.Module):
                 for stride_per_feature in zip(*plan.batch_sizes, strict=True)
                 for stride, dim in zip(stride_per_feature, group.dims, strict=True)
             ]
-            if item is None:  # no bag on any rank, or an fbgemm call without ids (its blocks are zeros)
+            if item is None:  # no bag on any rank: its blocks are empty
                 y = torch.zeros(sum(sizes), dtype=dtype, device=device)
             else:
                 y = self._call(g_i, plan, item).reshape(-1).to(dtype)
