@@ -136,6 +136,8 @@ class ShardedTables:
         if spec.group == KV_GROUP:
             from ssd_tbe_adapter import KeyValueEmbeddingBags, MemoryStore, RocksDBStore, TableSpec
 
+            # The host-DRAM tier sits under the device-managed cache, which only CUDA has.
+            host_tier = cfg.host_cache_rows if self.device.type == "cuda" else 0
             if cfg.kv_store == "rocksdb":
                 store: Any = RocksDBStore(self.workdir / f"rank{spec.rank}")
             else:
@@ -148,15 +150,12 @@ class ShardedTables:
                 list(spec.feature_table_map),
                 store,
                 cache_rows=cfg.cache_rows,
-                host_cache_rows=cfg.host_cache_rows
-                if self.device.type == "cuda"
-                else 0,  # a device-cache tier
+                host_cache_rows=host_tier,
                 optimizer="rowwise_adagrad" if cfg.optimizer == "rowwise_adagrad" else "sgd",
                 learning_rate=cfg.learning_rate,
                 seed=cfg.seed,
                 device=self.device,
             )
-            host_tier = cfg.host_cache_rows if self.device.type == "cuda" else 0
             kind = f"key-value ({cfg.kv_store}, cache {cfg.cache_rows} rows"
             kind += f", host tier {host_tier} rows)" if host_tier else ")"
         else:

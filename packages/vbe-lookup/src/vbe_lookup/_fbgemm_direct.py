@@ -115,7 +115,8 @@ def direct_tbe(kernel: Any) -> tuple[DirectTBE | None, str]:
             return None, f"`{name}` is set"
     if kernel.weights_uvm.numel() or kernel.lxu_cache_weights.numel():
         return None, "rows in UVM or behind a UVM cache"
-    if kernel._debug_print_input_stats.__name__ != "_debug_print_input_stats_factory_null":
+    debug_print = getattr(kernel, "_debug_print_input_stats", None)
+    if getattr(debug_print, "__name__", None) != "_debug_print_input_stats_factory_null":
         return None, "fbgemm's input-stats printing is on"
     if int(kernel.bounds_check_mode_int) != _fbgemm.bounds_check_none() and kernel.bounds_check_version != 1:
         return None, f"bounds check version {kernel.bounds_check_version}"

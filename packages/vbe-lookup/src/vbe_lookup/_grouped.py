@@ -370,10 +370,6 @@ class GroupedVBELookup(nn.Module):
         self._fbgemm_groups = tuple(kind.startswith("fbgemm") for kind, _ in self._kinds)
         self._deferred_flags: torch.Tensor | None = None
         self._deferred_forwards = 0
-        if cache_fbgemm_metadata:
-            for group in groups:
-                if _fbgemm.is_fbgemm_tbe(group.kernel):
-                    _fbgemm.install_vbe_metadata_cache(group.kernel)
         direct: list[DirectTBE | None] = []
         paths: list[str | None] = []
         for group, (kind, _) in zip(groups, self._kinds, strict=True):
@@ -385,6 +381,10 @@ class GroupedVBELookup(nn.Module):
             direct.append(call)
             paths.append(why)
         self._direct: tuple[DirectTBE | None, ...] = tuple(direct)
+        if cache_fbgemm_metadata:  # the module path's per-call metadata; the direct path prepares its own
+            for group, call in zip(groups, direct, strict=True):
+                if call is None and _fbgemm.is_fbgemm_tbe(group.kernel):
+                    _fbgemm.install_vbe_metadata_cache(group.kernel)
         self.fbgemm_paths: tuple[str | None, ...] = tuple(paths)
         """Per group: ``"direct"``, ``"module: <why>"`` for an fbgemm TBE, ``None`` for other kernels."""
         self._layouts: OrderedDict[tuple[Any, ...], _Layout] = OrderedDict()
