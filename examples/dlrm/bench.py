@@ -63,9 +63,10 @@ ALL_IMPLS = (
     "torchrec-pipeline",
     "torchrec-plain",
     "torchrec-plain-cat",
+    "ours-plain-dense-graphs",
 )
 CUDA_IMPLS = ALL_IMPLS[:5]  # the default rows on CUDA (torchrec's regroup kernel is fast there)
-CPU_IMPLS = tuple(i for i in ALL_IMPLS if i != "torchrec-pipeline")  # torchrec's pipeline needs CUDA streams
+CPU_IMPLS = tuple(i for i in ALL_IMPLS[:6] if i != "torchrec-pipeline")  # torchrec's pipeline needs CUDA streams
 NUM_DENSE = 13
 NO_KV = 10**15  # a key-value row threshold no table reaches: every table in a TBE
 
@@ -165,7 +166,7 @@ class BenchConfig:
     def total_steps(self) -> int:
         return self.warmup + self.steps + self.profile_steps + 4  # pipelines look ahead a few batches
 
-    def train_config(self, *, pipeline: bool, kv: bool) -> TrainConfig:
+    def train_config(self, *, pipeline: bool, kv: bool, graph_step: bool = True) -> TrainConfig:
         return TrainConfig(
             out=self.out,
             steps=self.total_steps,
@@ -181,6 +182,7 @@ class BenchConfig:
             kv_store="rocksdb",
             batch_pool=self.batch_pool,
             pipeline=pipeline,
+            graph_step=graph_step,
             log_every=10**9,
             eval_batches=0,  # throughput only: no held-out evaluation at the end
             device=self.device,
@@ -223,8 +225,8 @@ def _run_window(bench: BenchConfig, body: Callable[[], list[int]]) -> dict[str, 
     }
 
 
-def _ours(bench: BenchConfig, *, pipeline: bool, kv: bool) -> list[int]:
-    config = bench.train_config(pipeline=pipeline, kv=kv)
+def _ours(bench: BenchConfig, *, pipeline: bool, kv: bool, graph_step: bool = True) -> list[int]:
+    config = bench.train_config(pipeline=pipeline, kv=kv, graph_step=graph_step)
     result = train(config, rank=bench.rank, world_size=bench.world_size)
     return list(result.samples)
 
@@ -360,6 +362,8 @@ def _run(bench: BenchConfig, impl: str) -> list[int]:
         return _ours(bench, pipeline=False, kv=False)
     if impl == "ours-kv":
         return _ours(bench, pipeline=True, kv=True)
+    if impl == "ours-plain-dense-graphs":
+        return _ours(bench, pipeline=False, kv=False, graph_step=False)
     if impl == "torchrec-pipeline":
         return _torchrec(bench, pipeline=True)
     if impl == "torchrec-plain":

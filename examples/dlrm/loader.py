@@ -12,7 +12,8 @@ pins each batch on the loader's pin thread (CUDA), and yields the batches in exa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -22,24 +23,40 @@ from examples.dlrm.data import CriteoTSVReader, DLRMBatch, SyntheticCriteo
 __all__ = ["BatchStream", "worker_batches"]
 
 
-class BatchStream(IterableDataset[DLRMBatch]):
+class BatchStream(IterableDataset[Any]):
     """Batches ``start`` to ``stop - 1`` of a synthetic source, or every batch of a TSV reader from ``start`` on.
 
     Args:
         source: the rank's :class:`SyntheticCriteo` or :class:`CriteoTSVReader` (picklable: workers get a copy).
         start: first batch index (a resumed run skips the batches it trained on).
         stop: one past the last batch index.
+        transform: applied to each batch where it is made (in the worker; picklable), e.g. the padding of
+            the whole-step CUDA graphs.
     """
 
-    def __init__(self, source: SyntheticCriteo | CriteoTSVReader, *, start: int, stop: int) -> None:
+    def __init__(
+        self,
+        source: SyntheticCriteo | CriteoTSVReader,
+        *,
+        start: int,
+        stop: int,
+        transform: Callable[[DLRMBatch], Any] | None = None,
+    ) -> None:
         super().__init__()
         if not 0 <= start <= stop:
             raise ValueError(f"batch range [{start}, {stop}) is empty or negative")
         self.source = source
         self.start = start
         self.stop = stop
+        self.transform = transform
 
-    def __iter__(self) -> Iterator[DLRMBatch]:
+    def __iter__(self) -> Iterator[Any]:
+        if self.transform is None:
+            yield from self._batches()
+        else:
+            yield from map(self.transform, self._batches())
+
+    def _batches(self) -> Iterator[DLRMBatch]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         if isinstance(self.source, SyntheticCriteo):
@@ -55,13 +72,13 @@ class BatchStream(IterableDataset[DLRMBatch]):
                 yield batch
 
 
-def worker_batches(stream: BatchStream, *, workers: int, pin: bool) -> Iterator[DLRMBatch]:
+def worker_batches(stream: BatchStream, *, workers: int, pin: bool) -> Iterator[Any]:
     """The stream's batches made by ``workers`` processes (0: in this process), pinned when ``pin``."""
     if workers < 0:
         raise ValueError(f"`workers` is {workers}, expected >= 0")
     if isinstance(stream.source, CriteoTSVReader):
         workers = min(workers, 1)
-    loader: DataLoader[DLRMBatch] = DataLoader(
+    loader: DataLoader[Any] = DataLoader(
         stream,
         batch_size=None,  # the stream yields whole batches
         num_workers=workers,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -185,7 +186,11 @@ class DLRM(nn.Module):
 
     def _grouped(self, batch: DLRMBatch, dense: torch.Tensor) -> torch.Tensor:
         """Sparse lookup, then the KT regroup of ``dense`` and the pooled embeddings: ``[B, (F + 1) * D]``."""
-        pooled = self.sparse_arch(batch.sparse_features)
+        return self.regrouped(dense, self.sparse_arch(batch.sparse_features))
+
+    def regrouped(self, dense: torch.Tensor, pooled: Any) -> torch.Tensor:
+        """The KT regroup of the bottom MLP's ``dense [B, D]`` and ``pooled`` (a KeyedTensor-like of the
+        sparse features): the interaction group ``[B, (F + 1) * D]``."""
         dense_kt = KeyedTensor(keys=[DENSE_KEY], length_per_key=[self.embedding_dim], values=dense)
         grouped: torch.Tensor = self.regroup([dense_kt, pooled])[INTERACTION_GROUP]
         return grouped
