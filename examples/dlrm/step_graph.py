@@ -237,6 +237,10 @@ class StepGraphs:
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._seen: Counter[tuple[int, int]] = Counter()
         self._pool: Any = torch.cuda.graph_pool_handle() if capture else None
+        # Eager steps and captures on one side stream: autograd keeps a parameter's gradient accumulator
+        # (and the stream it was made on) across steps, and a capture drops the accumulation of an
+        # accumulator made on another stream (the dense gradients would stay zero in every replay).
+        self._stream = torch.cuda.Stream() if capture else None  # type: ignore[no-untyped-call]  # untyped in torch
 
     @property
     def captured_shapes(self) -> list[tuple[int, int]]:
@@ -254,7 +258,7 @@ class StepGraphs:
             seen = self._seen[key]
             self._seen[key] += 1
             if not self.capture or seen < self.warmup or len(self._graphs) >= self.max_graphs:
-                loss = self._train(*_inputs(batch))
+                loss = self._eager(batch)
                 self.eager_steps += 1
                 _count_step(self.optimizer)
                 return loss
@@ -276,10 +280,22 @@ class StepGraphs:
             a is b for a, b in zip(now, captured.relied_on, strict=True)
         )
 
+    def _eager(self, batch: PaddedBatch) -> torch.Tensor:
+        if self._stream is None:
+            return self._train(*_inputs(batch))
+        current = torch.cuda.current_stream()
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            loss = self._train(*_inputs(batch))
+        current.wait_stream(self._stream)
+        for tensor in _inputs(batch):
+            tensor.record_stream(self._stream)
+        return loss
+
     def _record(self, batch: PaddedBatch) -> _Captured:
         captured = _Captured(batch, self._relied_on())
         torch.cuda.synchronize()  # once per shape: the eager steps' work is done before the capture starts
-        with torch.cuda.graph(captured.graph, pool=self._pool):
+        with torch.cuda.graph(captured.graph, pool=self._pool, stream=self._stream):
             captured.loss = self._train(*captured.inputs)
         self._graphs[batch.shape_key] = captured
         return captured
