@@ -66,7 +66,9 @@ ALL_IMPLS = (
     "ours-plain-dense-graphs",
 )
 CUDA_IMPLS = ALL_IMPLS[:5]  # the default rows on CUDA (torchrec's regroup kernel is fast there)
-CPU_IMPLS = tuple(i for i in ALL_IMPLS[:6] if i != "torchrec-pipeline")  # torchrec's pipeline needs CUDA streams
+CPU_IMPLS = tuple(
+    i for i in ALL_IMPLS[:6] if i != "torchrec-pipeline"
+)  # torchrec's pipeline needs CUDA streams
 NUM_DENSE = 13
 NO_KV = 10**15  # a key-value row threshold no table reaches: every table in a TBE
 

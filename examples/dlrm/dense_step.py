@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DenseStep", "update_and_reset"]
+__all__ = ["DenseStep", "adagrad_update", "update_and_reset"]
 
 _SUPPORTED = {"lr_decay": 0, "weight_decay": 0, "maximize": False, "differentiable": False}
 
@@ -111,14 +111,24 @@ def _hooked_replay(optimizer: torch.optim.Optimizer, step: DenseStep) -> None:
 def update_and_reset(optimizer: torch.optim.Adagrad) -> None:
     """What the graph holds: ``optimizer``'s multi-tensor update (``lr_decay == weight_decay == 0``), op by
     op as ``torch.optim.Adagrad`` runs it, then every gradient zeroed. Its step counters are not touched."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+    assert all(g is not None for g in grads)  # the step runs after a backward
+    adagrad_update(optimizer, grads)  # type: ignore[arg-type]  # checked just above
+    torch._foreach_zero_(grads)  # type: ignore[arg-type]  # as above
+
+
+def adagrad_update(optimizer: torch.optim.Adagrad, grads: list[torch.Tensor]) -> None:
+    """``optimizer``'s multi-tensor update with ``grads`` (one per parameter, in its groups' order), op by op
+    as ``torch.optim.Adagrad`` runs it (``lr_decay == weight_decay == 0``). Its step counters are not touched."""
     state = optimizer.state
+    first = 0
     for group in optimizer.param_groups:
         params = list(group["params"])
-        g = [p.grad for p in params]
+        g = grads[first : first + len(params)]
+        first += len(params)
         s = [state[p]["sum"] for p in params]
         torch._foreach_addcmul_(s, g, g, value=1)
         std = torch._foreach_sqrt(s)
         torch._foreach_add_(std, float(group["eps"]))
         numerator = torch._foreach_mul(g, [-float(group["lr"])] * len(g))
         torch._foreach_addcdiv_(params, numerator, std)
-    torch._foreach_zero_([p.grad for group in optimizer.param_groups for p in group["params"]])

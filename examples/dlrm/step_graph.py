@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from examples.dlrm.data import DLRMBatch, make_features
-from examples.dlrm.dense_step import update_and_reset
+from examples.dlrm.dense_step import adagrad_update
 from examples.dlrm.model import DLRM
 from kt_regroup import KeyedTensor
 from vbe_lookup import GroupedVBELookup, VBEFeatures
@@ -237,9 +237,8 @@ class StepGraphs:
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._seen: Counter[tuple[int, int]] = Counter()
         self._pool: Any = torch.cuda.graph_pool_handle() if capture else None
-        # Eager steps and captures on one side stream: autograd keeps a parameter's gradient accumulator
-        # (and the stream it was made on) across steps, and a capture drops the accumulation of an
-        # accumulator made on another stream (the dense gradients would stay zero in every replay).
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        # Eager steps and captures on one side stream (the documented way to warm up a capture).
         self._stream = torch.cuda.Stream() if capture else None  # type: ignore[no-untyped-call]  # untyped in torch
 
     @property
@@ -271,8 +270,7 @@ class StepGraphs:
 
     def _relied_on(self) -> list[torch.Tensor]:
         state = self.optimizer.state
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        return [*(p.grad for p in params if p.grad is not None), *(state[p]["sum"] for p in params)]
+        return [state[p]["sum"] for p in self._params]
 
     def _still_valid(self, captured: _Captured) -> bool:
         now = self._relied_on()
@@ -315,11 +313,17 @@ class StepGraphs:
             keys=names, values=values, lengths=lengths, stride_per_key_per_rank=[[padded]] * len(names)
         )
         model = self.model
-        grouped = model.regrouped(model.bottom(dense), _local_pooled(self.lookup(features), padded))
+        looked_up = self.lookup(features)
+        pooled = looked_up.values()
+        grouped = model.regrouped(model.bottom(dense), _local_pooled(looked_up, padded))
         loss: torch.Tensor = model.head(grouped, labels, weight)
-        loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is unannotated in torch
+        # The dense gradients returned, not accumulated into `.grad`: a parameter's AccumulateGrad node
+        # outlives a step and runs on the stream it was made on, which a capture would not record. The
+        # lookup's backward (the kernels' fused updates) then runs from the pooled output's gradient.
+        *dense_grads, pooled_grad = torch.autograd.grad(loss, [*self._params, pooled])
+        torch.autograd.backward(pooled, pooled_grad)
         with torch.no_grad():
-            update_and_reset(self.optimizer)
+            adagrad_update(self.optimizer, dense_grads)
         return loss.detach()
 
 
