@@ -14,7 +14,9 @@ group with a constant float ``lr``, ``lr_decay == 0``, ``weight_decay == 0``, no
 ``differentiable``. It is captured after ``warmup`` eager steps (the optimizer's state exists, and DDP has
 rebuilt its gradient buckets); if the tensors it captured are no longer the parameters' gradients or the
 optimizer's state (a ``load_state_dict``, DDP's bucket views rebuilt) or ``lr`` changed, it is captured
-again. Everywhere else (CPU, other settings) the eager step runs.
+again. Everywhere else (CPU, other settings) the eager step runs. ``own_gradients`` (gradients that DDP's
+buckets do not own) replaces each gradient by a copy at the capture: a gradient autograd took over from a
+graphed callable's backward is that graph's output buffer, which its next replay would add twice.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ _SUPPORTED = {"lr_decay": 0, "weight_decay": 0, "maximize": False, "differentiab
 class DenseStep:
     """``zero_grad()`` before the forward, ``step()`` after the backward: the optimizer's step, graphed."""
 
-    def __init__(self, optimizer: torch.optim.Adagrad, *, graph: bool, warmup: int = 3) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Adagrad, *, graph: bool, warmup: int = 3, own_gradients: bool = False
+    ) -> None:
         self.optimizer = optimizer
+        self.own_gradients = own_gradients
         self.graph = graph and self._graphable()
         self.warmup = warmup
         self._eager_steps = 0
@@ -89,6 +94,13 @@ class DenseStep:
     def _capture(self, params: list[torch.Tensor]) -> None:
         """Record this step's update and the gradients' reset (not run: :meth:`step` replays it)."""
         state = self.optimizer.state
+        if self.own_gradients:
+            # A gradient that autograd stole from a graphed callable's backward (make_graphed_callables returns
+            # its static buffer) is that buffer: its next replay would write the gradient into `.grad` and
+            # the accumulation then add it again (twice the gradient). Own copies break the alias.
+            for p in params:
+                assert p.grad is not None
+                p.grad = p.grad.clone()
         grads = [p.grad for p in params]
         sums = [state[p]["sum"] for p in params]
         assert all(g is not None for g in grads)

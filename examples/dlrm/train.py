@@ -423,7 +423,10 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         elif device.type == "cuda":
             logger.info("whole-step CUDA graphs off: %s; the dense part is graphed", blocker)
     # With the dense graphs, the dense Adagrad step is one graph replay too (same ops, same bits).
-    dense_step = DenseStep(optimizer, graph=config.graph_dense and device.type == "cuda")
+    # Without DDP a dense gradient may be the dense graphs' own output buffer: DenseStep copies it at capture.
+    dense_step = DenseStep(
+        optimizer, graph=config.graph_dense and device.type == "cuda", own_gradients=world_size == 1
+    )
     if config.graph_dense and device.type == "cuda" and step_graphs is None:
         # The dense part as CUDA graph replays (one per padded batch size): host work under GPU work.
         low = config.batch_size if config.min_batch_size is None else config.min_batch_size
