@@ -3,7 +3,9 @@
     python -m examples.dlrm.bench --device cuda --json docs/bench/examples-dlrm-h200.json --plot out.png
     torchrun --standalone --nproc-per-node 2 -m examples.dlrm.bench --device cpu --json out.json
 
-Rows (``--impls``): ``ours-pipelined`` and ``ours-plain`` (every table in a TBE: fbgemm's on CUDA), ``ours-kv``
+Rows (``--impls``): ``ours-pipelined`` and ``ours-plain`` (every table in a TBE: fbgemm's on CUDA; on one GPU the
+whole step is a CUDA graph replay), ``ours-plain-dense-graphs`` (CUDA, not a default row: the plain loop with only
+the dense part graphed, ``--no-graph-step``), ``ours-kv``
 (pipelined, Criteo's five large tables in key-value tables on RocksDB), ``torchrec-pipeline``
 (``DistributedModelParallel`` + ``TrainPipelineSparseDist``, CUDA only: its pipeline needs streams),
 ``torchrec-plain`` (``DistributedModelParallel`` in a plain loop) and ``torchrec-plain-cat`` (the same, its

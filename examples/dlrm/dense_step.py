@@ -123,10 +123,14 @@ def _hooked_replay(optimizer: torch.optim.Optimizer, step: DenseStep) -> None:
 def update_and_reset(optimizer: torch.optim.Adagrad) -> None:
     """What the graph holds: ``optimizer``'s multi-tensor update (``lr_decay == weight_decay == 0``), op by
     op as ``torch.optim.Adagrad`` runs it, then every gradient zeroed. Its step counters are not touched."""
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-    assert all(g is not None for g in grads)  # the step runs after a backward
-    adagrad_update(optimizer, grads)  # type: ignore[arg-type]  # checked just above
-    torch._foreach_zero_(grads)  # type: ignore[arg-type]  # as above
+    grads: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                raise ValueError("a parameter has no gradient: the dense step runs after a backward")
+            grads.append(p.grad)
+    adagrad_update(optimizer, grads)
+    torch._foreach_zero_(grads)
 
 
 def adagrad_update(optimizer: torch.optim.Adagrad, grads: list[torch.Tensor]) -> None:

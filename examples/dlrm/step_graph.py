@@ -21,7 +21,9 @@ Per padded shape ``(Bp, Cp)`` the first ``warmup`` batches run the same step eag
 also build the lookup's per-layout metadata, which the graph then reads), the next one is captured (recorded, not
 run) and replayed; every later batch of that shape costs five input copies and one replay. All graphs share
 one memory pool (replays are sequential; the loss is cloned out). Graphs are dropped and recaptured when the
-optimizer's state or a gradient is no longer the tensor they captured (a ``load_state_dict``).
+optimizer's state is no longer the tensors they captured (a ``load_state_dict``). The dense gradients come from
+``torch.autograd.grad`` (never ``.grad``) and the lookup's backward runs from the pooled output's gradient, so no
+parameter's ``AccumulateGrad`` node (which outlives a step, on the stream it was made on) is part of a step.
 
 What the replay does not do: fbgemm's host-side ``step`` / ``timestep`` counters of the TBE module are not
 advanced (read only by UVM-cache and stats-reporter modes, which the direct path does not take); the input is not
@@ -225,7 +227,9 @@ class StepGraphs:
         if not isinstance(lookup, GroupedVBELookup):
             raise ValueError("`model.sparse_arch` has no `lookup` (a GroupedVBELookup serving every feature)")
         if warmup < 1:
-            raise ValueError(f"`warmup` is {warmup}, expected >= 1 (a capture needs the gradients allocated)")
+            raise ValueError(
+                f"`warmup` is {warmup}, expected >= 1 (the lookup builds its per-layout metadata eagerly)"
+            )
         self.model = model
         self.optimizer = optimizer
         self.lookup = lookup

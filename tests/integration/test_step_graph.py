@@ -59,7 +59,7 @@ def world_of_one() -> Iterator[None]:
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]  # HashStore is not re-exported in torch's stubs
     try:
         yield
     finally:
@@ -88,7 +88,7 @@ def test_padding_keeps_every_real_bag_and_pads_with_zero_weight(multi_hot: int) 
         # Per feature: the real ids first, in order, then the padding ids (all 0).
         values = padded.batch.sparse_features.values()
         starts = torch.cumsum(lengths.sum(1), 0) - lengths.sum(1)
-        real = batch.sparse_features.values().split(
+        real = batch.sparse_features.values().split_with_sizes(
             batch.sparse_features.lengths().view(f, rows).sum(1).tolist()
         )
         for i in range(f):
@@ -151,7 +151,7 @@ def test_padded_whole_step_trains_as_the_unpadded_step(tmp_path: Path, multi_hot
     assert graphs.eager_steps == len(batches)
     assert graphs.replays == 0
     for (name, a), b in zip(eager.state_dict().items(), whole.state_dict().values(), strict=True):
-        torch.testing.assert_close(b, a, msg=lambda m, name=name: f"{name}: {m}")
+        assert torch.allclose(b, a, rtol=1.3e-6, atol=1e-5), name
     for p_a, p_b in zip(eager.dense_parameters(), whole.dense_parameters(), strict=True):
         assert eager_opt.state[p_a]["step"] == whole_opt.state[p_b]["step"] == len(batches)
 
