@@ -237,7 +237,7 @@ class InputDist:
         self._seg_feature = on_dev(seg_feature)
         self._key_cache: dict[tuple[str, ...], Tensor] = {}
         self._recv_len_cache: dict[tuple[int, ...], Tensor] = {}
-        self._stride_cache: dict[tuple[int, ...], list[list[int]]] = {}
+        self._stride_cache: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}
         self._alone_cache: dict[tuple[str, ...], _AloneLayout] = {}
         self._step = 0  # input dists started; every rank sends it in the header and checks the others'
 
@@ -420,13 +420,13 @@ class InputDist:
 
         num_slots = self.slot_counts[self.rank]
         if self.comm.alone:  # already feature → sample (its own ids, one source): nothing to transpose
-            features = VBEFeatures(
+            features = VBEFeatures._built(
                 self.my_keys,
                 values_out,
                 handle.lengths_out,
                 self._stride(handle.batch_size_per_rank, num_slots),
                 recv_weights,
-                length_per_key=handle.ids_per_slot,
+                tuple(handle.ids_per_slot),
             )
             return DistributedFeatures(
                 features=features,
@@ -449,7 +449,7 @@ class InputDist:
                 weights = recv_weights[index]
         length_per_key = handle.ids_per_slot
         stride = self._stride(handle.batch_size_per_rank, num_slots)
-        features = VBEFeatures(self.my_keys, values, lengths, stride, weights, length_per_key=length_per_key)
+        features = VBEFeatures._built(self.my_keys, values, lengths, stride, weights, tuple(length_per_key))
         return DistributedFeatures(
             features=features,
             ids_per_slot_per_rank=tuple(zip(*counts, strict=True)),
@@ -695,13 +695,13 @@ class InputDist:
         global_row = self._feature_base[g] + values
         return (torch.searchsorted(self._bounds, global_row, right=True) - 1).clamp_(min=0)
 
-    def _stride(self, batch_per_rank: tuple[int, ...], num_slots: int) -> list[list[int]]:
+    def _stride(self, batch_per_rank: tuple[int, ...], num_slots: int) -> tuple[tuple[int, ...], ...]:
         """``[S][W]`` VBE strides of the distributed features (cached per batch-size layout)."""
         cached = self._stride_cache.get(batch_per_rank)
         if cached is None:
             if len(self._stride_cache) >= _MAX_CACHE:
                 self._stride_cache.clear()
-            cached = [list(batch_per_rank)] * num_slots
+            cached = (tuple(int(b) for b in batch_per_rank),) * num_slots
             self._stride_cache[batch_per_rank] = cached
         return cached
 
@@ -816,7 +816,8 @@ def _uniform_batch_size(features: Any) -> int | None:
     """
     if isinstance(features, VBEFeatures):
         stride = features._stride
-        if stride and all(len(row) == 1 for row in stride) and len({row[0] for row in stride}) == 1:
+        # tuple.count compares rows in C: no Python loop per feature.
+        if stride and len(stride[0]) == 1 and stride.count(stride[0]) == len(stride):
             return stride[0][0]
         return None
     variable = getattr(features, "variable_stride_per_key", None)

@@ -83,6 +83,33 @@ class VBEFeatures:
         )
         object.__setattr__(self, "_offsets", None)
 
+    @classmethod
+    def _built(
+        cls,
+        keys: tuple[str, ...],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        stride: tuple[tuple[int, ...], ...],
+        weights: torch.Tensor | None,
+        length_per_key: tuple[int, ...] | None,
+    ) -> VBEFeatures:
+        """Features a producer of this package built, whose layout is consistent by construction (the input
+        dist's: ``stride`` one cached tuple per layout, ``length_per_key`` its host read): the tensors'
+        O(1) checks only, no per-feature loop."""
+        check_tensors(values, lengths, weights)
+        out = object.__new__(cls)
+        for name, value in (
+            ("_keys", keys),
+            ("_values", values),
+            ("_lengths", lengths),
+            ("_stride", stride),
+            ("_weights", weights),
+            ("_length_per_key", length_per_key),
+            ("_offsets", None),
+        ):
+            object.__setattr__(out, name, value)
+        return out
+
     def __setattr__(self, name: str, value: Any) -> NoReturn:
         raise AttributeError(f"VBEFeatures is immutable; cannot set `{name}`")
 
