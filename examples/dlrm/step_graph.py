@@ -187,6 +187,7 @@ class _Captured:
         self.inputs = _clone_inputs(batch)
         self.loss = torch.empty(0)
         self.relied_on = relied_on
+        self.layout: object = None
 
     def load(self, batch: PaddedBatch) -> None:
         for static, given in zip(self.inputs, _inputs(batch), strict=True):
@@ -296,11 +297,21 @@ class StepGraphs:
 
     def _record(self, batch: PaddedBatch) -> _Captured:
         captured = _Captured(batch, self._relied_on())
+        # The graph reads the lookup's per-layout state by address: keep it alive past the lookup's cache.
+        captured.layout = self.lookup.keep_layout(
+            self._features(captured.inputs[1], captured.inputs[2], batch.batch.batch_size)
+        )
         torch.cuda.synchronize()  # once per shape: the eager steps' work is done before the capture starts
         with torch.cuda.graph(captured.graph, pool=self._pool, stream=self._stream):
             captured.loss = self._train(*captured.inputs)
         self._graphs[batch.shape_key] = captured
         return captured
+
+    def _features(self, values: torch.Tensor, lengths: torch.Tensor, padded: int) -> VBEFeatures:
+        names = self.model.sparse_feature_names
+        return VBEFeatures(
+            keys=names, values=values, lengths=lengths, stride_per_key_per_rank=[[padded]] * len(names)
+        )
 
     def _train(
         self,
@@ -312,10 +323,7 @@ class StepGraphs:
     ) -> torch.Tensor:
         """The step's device work (eager, or recorded under a capture): forward, backward, dense update."""
         padded = dense.shape[0]
-        names = self.model.sparse_feature_names
-        features = VBEFeatures(
-            keys=names, values=values, lengths=lengths, stride_per_key_per_rank=[[padded]] * len(names)
-        )
+        features = self._features(values, lengths, padded)
         model = self.model
         looked_up = self.lookup(features)
         pooled = looked_up.values()

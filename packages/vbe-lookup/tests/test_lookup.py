@@ -395,3 +395,24 @@ def test_fbgemm_vbe_metadata_is_cached_per_layout() -> None:
     assert len(getattr(tbe, "_vbe_lookup_metadata_cache", ())) == 1
     uncached = GroupedVBELookup(lookup.groups, cache_fbgemm_metadata=False, fbgemm_call="module")
     torch.testing.assert_close(uncached(features).values(), reference_pooled(tables, features))
+
+
+def test_keep_layout_outlives_the_layout_cache() -> None:
+    """keep_layout returns the cached layout state; a held handle survives its eviction (the lookup rebuilds)."""
+    lookup, _ = _two_kernel_lookup("preallocated")
+    keys = ["a", "b", "c"]
+
+    def features(batch: int) -> VBEFeatures:
+        return VBEFeatures(
+            keys, torch.zeros(0, dtype=torch.int64), torch.zeros(3 * batch, dtype=torch.int64), [[batch]] * 3
+        )
+
+    handle = lookup.keep_layout(features(1))
+    assert lookup.keep_layout(features(1)) is handle
+    lookup(features(1))
+    assert lookup.keep_layout(features(1)) is handle  # the forward used the same cached state
+    for batch in range(2, 70):  # more layouts than the cache holds: batch 1's is dropped
+        lookup.keep_layout(features(batch))
+    rebuilt = lookup.keep_layout(features(1))
+    assert rebuilt is not handle
+    assert type(rebuilt) is type(handle)

@@ -390,6 +390,21 @@ class GroupedVBELookup(nn.Module):
         self._layouts: OrderedDict[tuple[Any, ...], _Layout] = OrderedDict()
 
     # ------------------------------------------------------------------ layout
+    @eager_only  # host-side metadata, cached per layout
+    def keep_layout(self, features: KeyedJaggedTensorLike) -> object:
+        """The state this lookup caches for the batch-size layout of ``features`` (built if missing), as an
+        opaque object: holding it keeps that state alive after the cache (64 layouts) drops it.
+
+        A CUDA graph that recorded a :meth:`forward` reads that state (offsets, fbgemm's VBE metadata) by
+        address: keep the handle as long as the graph.
+        """
+        if isinstance(features, VBEFeatures):
+            keys, stride = features._keys, features._stride
+        else:
+            keys = tuple(features.keys())
+            stride = tuple(tuple(int(b) for b in row) for row in features.stride_per_key_per_rank())
+        return self._layout(keys, stride, features.values().device)
+
     @eager_only  # host-side metadata, cached per layout: keep it out of graphs
     def _layout(
         self, keys: tuple[str, ...], stride: tuple[tuple[int, ...], ...], device: torch.device
