@@ -207,6 +207,20 @@ def dense_optimizer(params: list[torch.nn.Parameter], *, lr: float) -> torch.opt
     return torch.optim.Adagrad(params, lr=lr, foreach=True)
 
 
+def new_model(config: TrainConfig, tables: ShardedTables, device: torch.device) -> DLRM:
+    """The DLRM of ``config`` over the rank's sharded ``tables``, on ``device``."""
+    return DLRM(
+        sparse_arch=tables.module,
+        sparse_features=SPARSE_FEATURES,
+        embedding_dim=config.embedding_dim,
+        num_dense=NUM_DENSE,
+        bottom_layers=config.bottom_layers,
+        top_layers=config.top_layers,
+        regroup_backend=config.regroup_backend,
+        seed=config.seed,
+    ).to(device)
+
+
 def _batches(
     config: TrainConfig,
     rank: int,
@@ -392,16 +406,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         device=device,
         workdir=config.out / "kv",
     )
-    model = DLRM(
-        sparse_arch=tables.module,
-        sparse_features=SPARSE_FEATURES,
-        embedding_dim=config.embedding_dim,
-        num_dense=NUM_DENSE,
-        bottom_layers=config.bottom_layers,
-        top_layers=config.top_layers,
-        regroup_backend=config.regroup_backend,
-        seed=config.seed,
-    ).to(device)
+    model = new_model(config, tables, device)
     dense_params = model.dense_parameters()
     optimizer = dense_optimizer(dense_params, lr=config.dense_lr)
     # On one GPU with every table in one fbgemm TBE the whole step is one CUDA graph replay per padded shape.

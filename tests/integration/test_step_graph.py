@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from examples.dlrm.data import NUM_DENSE, SPARSE_FEATURES, DLRMBatch, SyntheticCriteo
+from examples.dlrm.data import SPARSE_FEATURES, DLRMBatch, SyntheticCriteo
 from examples.dlrm.embeddings import build_sharded_tables
 from examples.dlrm.model import DLRM
 from examples.dlrm.step_graph import StepGraphs, StepPadding
-from examples.dlrm.train import TrainConfig, dense_optimizer
+from examples.dlrm.train import TrainConfig, dense_optimizer, new_model
 
 NO_KV = 10**15
 
@@ -111,24 +111,19 @@ def test_padding_rejects_a_batch_without_a_larger_bucket() -> None:
         StepPadding((16, 8))
 
 
-def _model(config: TrainConfig, workdir: Path) -> tuple[DLRM, torch.optim.Adagrad]:
+def _model(
+    config: TrainConfig, workdir: Path, device: torch.device | None = None
+) -> tuple[DLRM, torch.optim.Adagrad]:
+    device = torch.device("cpu") if device is None else device
     tables = build_sharded_tables(
         config.embedding_config(1),
         rank=0,
         world_size=1,
         process_group=dist.group.WORLD,
-        device=torch.device("cpu"),
+        device=device,
         workdir=workdir,
     )
-    model = DLRM(
-        sparse_arch=tables.module,
-        sparse_features=SPARSE_FEATURES,
-        embedding_dim=config.embedding_dim,
-        num_dense=NUM_DENSE,
-        bottom_layers=config.bottom_layers,
-        top_layers=config.top_layers,
-        seed=config.seed,
-    )
+    model = new_model(config, tables, device)
     return model, dense_optimizer(model.dense_parameters(), lr=config.dense_lr)
 
 
@@ -190,24 +185,8 @@ def test_a_replayed_whole_step_makes_no_host_sync(tmp_path: Path) -> None:
         pytest.skip("needs CUDA")
     config = _config(tmp_path, tbe="fbgemm", device="cuda")
     cuda = torch.device("cuda")
-    tables = build_sharded_tables(
-        config.embedding_config(1),
-        rank=0,
-        world_size=1,
-        process_group=dist.group.WORLD,
-        device=cuda,
-        workdir=tmp_path,
-    )
-    model = DLRM(
-        sparse_arch=tables.module,
-        sparse_features=SPARSE_FEATURES,
-        embedding_dim=config.embedding_dim,
-        num_dense=NUM_DENSE,
-        bottom_layers=config.bottom_layers,
-        top_layers=config.top_layers,
-        seed=config.seed,
-    ).to(cuda)
-    graphs = StepGraphs(model, dense_optimizer(model.dense_parameters(), lr=0.05))
+    model, optimizer = _model(config, tmp_path, cuda)
+    graphs = StepGraphs(model, optimizer)
     batch = StepPadding((16, 32, 48))(_batches(config, 1)[0]).pin_memory().to(cuda, non_blocking=True)
     for _ in range(2):  # the eager step, then the capture and its first replay
         graphs.step(batch)
