@@ -840,6 +840,13 @@ def _summarize(
         ["key-value cache hit rate (first look, all ranks)", _percent(hit_rate)],
         ["key-value hit rate at forward (after prefetch)", _percent(forward_hit_rate)],
     ]
+    if step_graphs is not None:
+        rows.append(
+            [
+                "whole-step CUDA graphs (replays / eager steps / shapes)",
+                f"{step_graphs['replays']} / {step_graphs['eager_steps']} / {len(step_graphs['shapes'])}",
+            ]
+        )
     if evals:
         last = evals[-1]
         rows += [
