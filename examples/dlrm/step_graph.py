@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from examples.dlrm.data import DLRMBatch, make_features
+from examples.dlrm.dense_graphs import pad_rows
 from examples.dlrm.dense_step import adagrad_update
 from examples.dlrm.model import DLRM
 from kt_regroup import KeyedTensor
@@ -48,9 +49,8 @@ from vbe_lookup import GroupedVBELookup, VBEFeatures
 
 __all__ = ["PaddedBatch", "StepGraphs", "StepPadding", "step_graph_blocker"]
 
-_ID_QUANTA_PER_BUCKET = (
-    16  # id capacities are multiples of Bp * F / 16: at most ~6% of a one-hot batch padded
-)
+# Id capacities are multiples of Bp * F / 16: at most ~6% of a one-hot batch is padding ids.
+_ID_QUANTA_PER_BUCKET = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -144,15 +144,13 @@ class StepPadding:
         feature_of_id = torch.repeat_interleave(torch.arange(num_features), real_per_feature)
         new_values = torch.zeros(capacity, dtype=values.dtype)
         new_values[torch.arange(n) + shift[feature_of_id]] = values
-        extra_rows = padded - rows
-        dense = batch.dense_features
         weight = torch.zeros(padded, dtype=torch.float32)
         weight[:rows] = 1.0 / max(rows, 1)
         return PaddedBatch(
             batch=DLRMBatch(
-                dense_features=torch.cat([dense, dense.new_zeros(extra_rows, dense.shape[1])]),
+                dense_features=pad_rows(batch.dense_features, padded),
                 sparse_features=make_features(new_values, new_lengths.reshape(-1), padded, keys),
-                labels=torch.cat([batch.labels, batch.labels.new_zeros(extra_rows)]),
+                labels=pad_rows(batch.labels, padded),
             ),
             weight=weight,
             rows=rows,
@@ -184,7 +182,7 @@ class _Captured:
 
     def __init__(self, batch: PaddedBatch, relied_on: list[torch.Tensor]) -> None:
         self.graph = torch.cuda.CUDAGraph()
-        self.inputs = _clone_inputs(batch)
+        self.inputs = tuple(t.clone() for t in _inputs(batch))
         self.loss = torch.empty(0)
         self.relied_on = relied_on
         self.layout: object = None
@@ -197,10 +195,6 @@ class _Captured:
 def _inputs(batch: PaddedBatch) -> tuple[torch.Tensor, ...]:
     b = batch.batch
     return b.dense_features, b.sparse_features.values(), b.sparse_features.lengths(), b.labels, batch.weight
-
-
-def _clone_inputs(batch: PaddedBatch) -> tuple[torch.Tensor, ...]:
-    return tuple(t.clone() for t in _inputs(batch))
 
 
 class StepGraphs:
@@ -353,11 +347,7 @@ def _local_pooled(out: Any, padded: int) -> KeyedTensor:
 
 
 @torch.optim.Optimizer.profile_hook_step
-def _count_step_hooked(optimizer: torch.optim.Optimizer) -> None:
-    steps = [optimizer.state[p]["step"] for group in optimizer.param_groups for p in group["params"]]
-    torch._foreach_add_(steps, 1.0)
-
-
 def _count_step(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's step counters + 1, through its step wrapper (its hooks fire, as for ``step()``)."""
-    _count_step_hooked(optimizer)
+    steps = [optimizer.state[p]["step"] for group in optimizer.param_groups for p in group["params"]]
+    torch._foreach_add_(steps, 1.0)

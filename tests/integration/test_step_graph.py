@@ -155,8 +155,6 @@ def test_padded_whole_step_trains_as_the_unpadded_step(tmp_path: Path, multi_hot
 def test_whole_step_graphs_train_as_the_eager_trainer(tmp_path: Path) -> None:
     """On one GPU (fbgemm TBE, direct path): the graphed trainer ends with the eager trainer's weights, and it
     replayed graphs."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from examples.dlrm.harness import run_world, train_configs
 
     base = _config(tmp_path, tbe="fbgemm", device="cuda", steps=24, batch_pool=6, pipeline=False)
@@ -181,8 +179,6 @@ def test_whole_step_graphs_train_as_the_eager_trainer(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("world_of_one")
 def test_a_replayed_whole_step_makes_no_host_sync(tmp_path: Path) -> None:
     """After its capture a shape's step is copies and one replay: no host sync (sync debug mode 'error')."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     config = _config(tmp_path, tbe="fbgemm", device="cuda")
     cuda = torch.device("cuda")
     model, optimizer = _model(config, tmp_path, cuda)
