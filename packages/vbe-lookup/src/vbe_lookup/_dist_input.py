@@ -6,13 +6,16 @@ lookups share it (a sequence lookup reads the same features as bags of one id).
 Phases (all collectives through :class:`~vbe_lookup._dist_comm.Communicator`, with timeouts):
 
 1. ``start``: host checks of the input (O(F), skipped for a known key order); on the device, bucketize
-   ids to ``(destination rank, slot)`` by one binary search over every shard's first row (O(N log K)),
-   stable-sort them by it (the order inside a bag is kept), count ids per ``(rank, slot)`` and build the
-   bucketized lengths ``[rank, slot, sample]`` by scatter-adds into known sizes. A fixed-size *header*
-   all-to-all (status, batch size, weight flags, ids sent, step number, ids per slot) and one
-   ``.tolist()`` of it are the only host sync of the step; a bad input or a rank out of step is reported
-   to every rank here. Then the lengths all-to-all is launched.
-2. ``wait``: wait for the lengths, all-to-all the ids and weights with explicit splits, and reorder
+   ids to ``(destination rank, slot)`` and put them in send order. With every table in one shard
+   (table-wise), a key goes whole to one ``(rank, slot)``: the send order is a permutation of the keys'
+   blocks built from the ids per key and the bucketized lengths are the input's, reordered by key (no sort).
+   Otherwise one binary search over every shard's first row (O(N log K)), a stable sort by it (the order
+   inside a bag is kept), and the bucketized lengths ``[rank, slot, sample]`` by scatter-adds into known
+   sizes. A fixed-size *header* all-to-all (status, batch size, weight flags, ids sent, step number, ids per
+   slot) and one ``.tolist()`` of it are the only host sync of the step; a bad input or a rank out of step
+   is reported to every rank here. Then ONE all-to-all of the lengths and the ids (per peer: its lengths,
+   then its ids; every split is known from the header) is launched.
+2. ``wait``: wait for it, all-to-all the weights (if any) with explicit splits, and reorder
    ``source → slot → sample`` into VBE's ``slot (feature) → source → sample`` with an index built on the
    device from the received header.
 """
@@ -154,6 +157,9 @@ class InputDistHandle:
     # A group of one: the host read still to make (then ``received``, ``ids_per_slot`` and the source's host
     # counts are filled by ``wait``).
     pending_read: PendingRead | None = None
+    # Several ranks: ``lengths_out`` holds, per source rank, its lengths then its ids (one all-to-all,
+    # ``lengths_work``), these sizes in that order; empty: ``lengths_out`` holds only lengths.
+    merged_sizes: tuple[int, ...] = ()
 
 
 @dataclass(slots=True, kw_only=True, eq=False)
@@ -239,6 +245,9 @@ class InputDist:
         self._recv_len_cache: dict[tuple[int, ...], Tensor] = {}
         self._stride_cache: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}
         self._alone_cache: dict[tuple[str, ...], _AloneLayout] = {}
+        # Every table in one shard (table-wise, or a group of one): ids bucketize by key, without a sort.
+        self._table_wise = all(len(shards) == 1 and shards[0].row_start == 0 for shards in layout.shards)
+        self._table_wise_cache: dict[tuple[str, ...], _TableWiseLayout] = {}
         self._step = 0  # input dists started; every rank sends it in the header and checks the others'
 
     # -- phase 1 ---------------------------------------------------------------------------------
@@ -272,41 +281,15 @@ class InputDist:
         if self.comm.alone:
             return self._start_alone(step, keys, values, lengths, weights, batch)
         n = values.numel()
-        num_in = len(keys)
-        bags = num_in * batch
         key_index = self._key_index(keys)
-        ends = torch.cumsum(lengths, 0)
-        positions = torch.arange(n, device=dev)
-        bag = torch.searchsorted(ends, positions, right=True).clamp_(max=max(bags - 1, 0))
-        kpos = torch.div(bag, max(batch, 1), rounding_mode="floor")
-        sample = bag - kpos * batch
-        g = key_index[kpos] if n else torch.zeros(0, dtype=torch.int64, device=dev)
-        shard = self._bucketize(g, values)
-        segment = self._shard_rank[shard] * s_max + self._shard_slot[shard]
-        local_ids = values - self._shard_row0[shard]
-        perm = torch.sort(segment, stable=True).indices
-        sorted_segment = segment[perm]
-        inverse_perm = torch.empty_like(perm)
-        inverse_perm[perm] = positions
-        send_values = local_ids[perm]
-        send_weights = None if weights is None else weights[perm]
-        # Counts by scatter-add into known sizes: no `bincount` (on CUDA it reads min and max back).
-        ones = torch.ones_like(segment)
-        counts = torch.zeros(world * s_max, dtype=torch.int64, device=dev).scatter_add_(0, segment, ones)
-        # Bucketized lengths in send order [rank, slot < S_rank, sample]: compact segment * B + sample.
-        per_bag_key = self._compact[segment] * batch + sample
-        send_lengths = torch.zeros(self.num_compact * batch, dtype=torch.int64, device=dev).scatter_add_(
-            0, per_bag_key, ones
-        )
-        counts = counts.view(world, s_max)
-
-        bad_ids = ((values < 0) | (values >= self._rows[g])).any()
-        bad_lengths = (ends[-1] != n) if bags else torch.full((), n != 0, dtype=torch.bool, device=dev)
-        bad_lengths = bad_lengths | (lengths < 0).any()
-        # Device-side status (no host sync, no host-to-device copy): bad lengths win over bad ids.
-        status = (
-            bad_lengths.to(torch.int64) * _BAD_LENGTHS + (bad_ids & ~bad_lengths).to(torch.int64) * _BAD_IDS
-        )
+        if self._table_wise:
+            buckets = self._buckets_table_wise(keys, values, lengths, weights, batch)
+        else:
+            buckets = self._buckets_by_shard(key_index, values, lengths, weights, batch)
+        send_values, send_weights = buckets.send_values, buckets.send_weights
+        counts = buckets.counts.view(world, s_max)
+        inverse_perm, sorted_segment = buckets.inverse_perm, buckets.sorted_segment
+        status = buckets.status
         header = torch.empty((world, self.header_size), dtype=torch.int64, device=dev)
         header[:, 0] = status
         header[:, 1] = batch
@@ -361,27 +344,164 @@ class InputDist:
             ids_per_feature=ids_per_feature,
             sent_counts=counts.reshape(-1),
         )
-        lengths_out, lengths_work = self.comm.start_all_to_all(
-            send_lengths,
-            [self.slot_counts[self.rank] * b for b in batch_per_rank],
-            [self.slot_counts[d] * batch for d in range(world)],
+        # Lengths and ids in ONE all-to-all (every split is known from the header): per peer rank, its
+        # lengths [slot, sample] then its ids, both int64.
+        sent_ids = [row[4] for row in mine]
+        received_ids = [row[4] for row in theirs]
+        send_len_sizes = [self.slot_counts[d] * batch for d in range(world)]
+        recv_len_sizes = [my_slots * b for b in batch_per_rank]
+        send_len = torch.split(buckets.send_lengths, send_len_sizes)
+        send_ids = torch.split(send_values, sent_ids)
+        merged = torch.cat([part for d in range(world) for part in (send_len[d], send_ids[d])])
+        merged_sizes = tuple(size for d in range(world) for size in (recv_len_sizes[d], received_ids[d]))
+        merged_out, merged_work = self.comm.start_all_to_all(
+            merged,
+            [recv_len_sizes[d] + received_ids[d] for d in range(world)],
+            [send_len_sizes[d] + sent_ids[d] for d in range(world)],
         )
         return InputDistHandle(
-            lengths_out=lengths_out,
-            lengths_work=lengths_work,
+            lengths_out=merged_out,
+            lengths_work=merged_work,
             send_values=send_values,
             send_weights=send_weights,
             weights_present=weights_present,
             weights_need_grad=weights_need_grad,
-            sent_per_rank=[row[4] for row in mine],
-            received_per_rank=[row[4] for row in theirs],
+            sent_per_rank=sent_ids,
+            received_per_rank=received_ids,
             received=received,
             received_counts=received_counts,
             received_batch=recv_rows[:, 1],
             ids_per_slot=ids_per_slot,
             batch_size_per_rank=batch_per_rank,
             source=source,
+            merged_sizes=merged_sizes,
         )
+
+    def _buckets_by_shard(
+        self, key_index: Tensor, values: Tensor, lengths: Tensor, weights: Tensor | None, batch: int
+    ) -> _Buckets:
+        """Any plan (row-wise shards included): bucketize every id by one binary search over the shards'
+        first rows, then a stable sort by destination ``(rank, slot)``."""
+        dev = self.comm.device
+        world, s_max = self.world, self.s_max
+        n = values.numel()
+        bags = key_index.numel() * batch
+        ends = torch.cumsum(lengths, 0)
+        positions = torch.arange(n, device=dev)
+        bag = torch.searchsorted(ends, positions, right=True).clamp_(max=max(bags - 1, 0))
+        kpos = torch.div(bag, max(batch, 1), rounding_mode="floor")
+        sample = bag - kpos * batch
+        g = key_index[kpos] if n else torch.zeros(0, dtype=torch.int64, device=dev)
+        shard = self._bucketize(g, values)
+        segment = self._shard_rank[shard] * s_max + self._shard_slot[shard]
+        local_ids = values - self._shard_row0[shard]
+        perm = torch.sort(segment, stable=True).indices
+        sorted_segment = segment[perm]
+        inverse_perm = torch.empty_like(perm)
+        inverse_perm[perm] = positions
+        send_values = local_ids[perm]
+        send_weights = None if weights is None else weights[perm]
+        # Counts by scatter-add into known sizes: no `bincount` (on CUDA it reads min and max back).
+        ones = torch.ones_like(segment)
+        counts = torch.zeros(world * s_max, dtype=torch.int64, device=dev).scatter_add_(0, segment, ones)
+        # Bucketized lengths in send order [rank, slot < S_rank, sample]: compact segment * B + sample.
+        per_bag_key = self._compact[segment] * batch + sample
+        send_lengths = torch.zeros(self.num_compact * batch, dtype=torch.int64, device=dev).scatter_add_(
+            0, per_bag_key, ones
+        )
+        bad_ids = ((values < 0) | (values >= self._rows[g])).any()
+        bad_lengths = (ends[-1] != n) if bags else torch.full((), n != 0, dtype=torch.bool, device=dev)
+        return _Buckets(
+            send_values=send_values,
+            send_weights=send_weights,
+            send_lengths=send_lengths,
+            counts=counts,
+            inverse_perm=inverse_perm,
+            sorted_segment=sorted_segment,
+            status=_status(bad_lengths | (lengths < 0).any(), bad_ids),
+        )
+
+    def _buckets_table_wise(
+        self,
+        keys: tuple[str, ...],
+        values: Tensor,
+        lengths: Tensor,
+        weights: Tensor | None,
+        batch: int,
+    ) -> _Buckets:
+        """Every table in one shard: each input key goes whole to one ``(rank, slot)``, so the send order is
+        a permutation of the keys' blocks (built from the ids per key, as a group of one does): no binary
+        search per id, no sort, and the bucketized lengths are the input's, reordered by key."""
+        dev = self.comm.device
+        n = values.numel()
+        num_in = len(keys)
+        tw = self._table_wise_layout(keys)
+        per_key = (
+            lengths.view(num_in, batch).sum(1)
+            if batch
+            else torch.zeros(num_in, dtype=torch.int64, device=dev)
+        )
+        positions = torch.arange(n, device=dev)
+        key_ends = torch.cumsum(per_key, 0)
+        # Key of every id; clamped, so that bad lengths (reported through the header) stay in bounds.
+        kpos = torch.searchsorted(key_ends, positions, right=True).clamp_(max=max(num_in - 1, 0))
+        compact_counts = per_key[tw.key_of_compact]  # [K] ids per (rank, slot), send order
+        dst_start = (torch.cumsum(compact_counts, 0) - compact_counts)[tw.compact_of_key]
+        shift = dst_start - (key_ends - per_key)
+        inverse_perm = (shift[kpos] + positions).clamp_(0, max(n - 1, 0)) if n else positions
+        send_values = torch.empty_like(values).scatter_(0, inverse_perm, values)
+        send_weights = (
+            None if weights is None else torch.empty_like(weights).scatter_(0, inverse_perm, weights)
+        )
+        sorted_segment = torch.empty_like(kpos).scatter_(0, inverse_perm, tw.segment_of_key[kpos])
+        counts = torch.zeros(self.world * self.s_max, dtype=torch.int64, device=dev).index_copy_(
+            0, tw.segment_of_compact, compact_counts
+        )
+        send_lengths = lengths.view(num_in, batch)[tw.key_of_compact].reshape(-1) if batch else lengths
+        if n:
+            bad_ids = ((values < 0) | (values >= tw.rows[kpos])).any()
+            bad_lengths = key_ends[-1] != n if num_in else torch.ones((), dtype=torch.bool, device=dev)
+        else:
+            bad_ids = torch.zeros((), dtype=torch.bool, device=dev)
+            bad_lengths = per_key.sum() != 0
+        return _Buckets(
+            send_values=send_values,
+            send_weights=send_weights,
+            send_lengths=send_lengths,
+            counts=counts,
+            inverse_perm=inverse_perm,
+            sorted_segment=sorted_segment,
+            status=_status(bad_lengths | (lengths < 0).any(), bad_ids),
+        )
+
+    def _table_wise_layout(self, keys: tuple[str, ...]) -> _TableWiseLayout:
+        """Per input key order (cached): the key of each destination ``(rank, slot)`` and back."""
+        cached = self._table_wise_cache.get(keys)
+        if cached is None:
+            if len(self._table_wise_cache) >= _MAX_CACHE:
+                self._table_wise_cache.clear()
+            layout = self.layout
+            where = {k: i for i, k in enumerate(keys)}  # every feature is there once (checked)
+            key_of_compact: list[int] = []
+            segment_of_compact: list[int] = []
+            for d, rl in enumerate(layout.ranks):
+                for j, slot in enumerate(rl.slots):
+                    key_of_compact.append(where[layout.features[slot.feature]])
+                    segment_of_compact.append(d * self.s_max + j)
+            compact_of_key = [0] * len(keys)
+            for c, key in enumerate(key_of_compact):
+                compact_of_key[key] = c
+            rows = [layout.tables[layout.feature_table[self.feature_index[k]]].num_embeddings for k in keys]
+            dev = self.comm.device
+            cached = _TableWiseLayout(
+                rows=_on(rows, dev),
+                key_of_compact=_on(key_of_compact, dev),
+                compact_of_key=_on(compact_of_key, dev),
+                segment_of_compact=_on(segment_of_compact, dev),
+                segment_of_key=_on([segment_of_compact[c] for c in compact_of_key], dev),
+            )
+            self._table_wise_cache[keys] = cached
+        return cached
 
     # -- phase 2 ---------------------------------------------------------------------------------
     def wait(self, handle: InputDistHandle, anchor: Tensor | None) -> DistributedFeatures:
@@ -392,16 +512,20 @@ class InputDist:
             self._finish_alone(handle)  # raises for bad input, the handle kept for another try
         handle.done = True
         comm = self.comm
-        values_out, values_work = comm.start_all_to_all(
-            handle.send_values, handle.received_per_rank, handle.sent_per_rank
-        )
+        if handle.merged_sizes:  # lengths and ids came in one all-to-all, launched by start()
+            values_out, values_work = self._split_merged(handle), None
+        else:
+            values_out, values_work = comm.start_all_to_all(
+                handle.send_values, handle.received_per_rank, handle.sent_per_rank
+            )
         recv_weights: Tensor | None = None
         weights_work: Any = None
         if handle.weights_present:
             assert handle.send_weights is not None  # set in start() whenever weights_present
             if handle.weights_need_grad:
-                comm.wait(handle.lengths_work, "input dist lengths")
-                comm.wait(values_work, "input dist ids")
+                if values_work is not None:
+                    comm.wait(handle.lengths_work, "input dist lengths")
+                    comm.wait(values_work, "input dist ids")
                 recv_weights = comm.all_to_all_autograd(
                     handle.send_weights,
                     handle.received_per_rank,
@@ -413,8 +537,9 @@ class InputDist:
                 recv_weights, weights_work = comm.start_all_to_all(
                     handle.send_weights, handle.received_per_rank, handle.sent_per_rank
                 )
-        comm.wait(handle.lengths_work, "input dist lengths")
-        comm.wait(values_work, "input dist ids")
+        if values_work is not None:
+            comm.wait(handle.lengths_work, "input dist lengths")
+            comm.wait(values_work, "input dist ids")
         if weights_work is not None:
             comm.wait(weights_work, "input dist weights")
 
@@ -458,6 +583,14 @@ class InputDist:
             source=handle.source,
         )
 
+    def _split_merged(self, handle: InputDistHandle) -> Tensor:
+        """Wait for the one lengths-and-ids all-to-all; leave the lengths in ``handle.lengths_out`` and
+        return the ids (both source-major, as two separate all-to-alls would have left them)."""
+        self.comm.wait(handle.lengths_work, "input dist lengths and ids")
+        parts = torch.split(handle.lengths_out, list(handle.merged_sizes))
+        handle.lengths_out = torch.cat(parts[0::2])
+        return torch.cat(parts[1::2])
+
     def _start_alone(
         self,
         step: int,
@@ -497,10 +630,7 @@ class InputDist:
             kpos = positions
             bad_ids = torch.zeros((), dtype=torch.bool, device=dev)
             bad_lengths = per_key.sum() != 0
-        bad_lengths = bad_lengths | (lengths < 0).any()
-        status = (
-            bad_lengths.to(torch.int64) * _BAD_LENGTHS + (bad_ids & ~bad_lengths).to(torch.int64) * _BAD_IDS
-        )
+        status = _status(bad_lengths | (lengths < 0).any(), bad_ids)
         flat = torch.cat([status.view(1), per_key])
         ready: torch.cuda.Event | None = None
         if flat.is_cuda:
@@ -805,6 +935,53 @@ class InputDist:
             f"rank {self.rank}: input dist aborted because rank(s) {', '.join(map(str, failed))} rejected "
             f"their local batch: {details}"
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Buckets:
+    """The local ids bucketized by destination ``(rank, slot)``, in send order (all on the device).
+
+    Attributes:
+        send_values: ``[N]`` shard-local ids, rank → slot → (input order).
+        send_weights: ``[N]`` their weights, or ``None``.
+        send_lengths: ``[K * B]`` lengths of the ids sent, compact ``(rank, slot)`` → sample.
+        counts: ``[W * S_max]`` ids sent per padded segment ``rank * S_max + slot``.
+        inverse_perm: ``[N]`` position in the send order of each input id.
+        sorted_segment: ``[N]`` padded segment of each id in send order.
+        status: ``[]`` int64 status of the input (``_OK``, ``_BAD_IDS`` or ``_BAD_LENGTHS``).
+    """
+
+    send_values: Tensor
+    send_weights: Tensor | None
+    send_lengths: Tensor
+    counts: Tensor
+    inverse_perm: Tensor
+    sorted_segment: Tensor
+    status: Tensor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _TableWiseLayout:
+    """A table-wise plan's view of one input key order (every feature goes whole to one ``(rank, slot)``).
+
+    Attributes:
+        rows: ``[F_in]`` rows of each input key's table.
+        key_of_compact: ``[K]`` the input key of each compact ``(rank, slot)``, in send order.
+        compact_of_key: ``[F_in]`` the compact ``(rank, slot)`` of each input key.
+        segment_of_compact: ``[K]`` padded segment ``rank * S_max + slot`` of each compact one.
+        segment_of_key: ``[F_in]`` padded segment of each input key.
+    """
+
+    rows: Tensor
+    key_of_compact: Tensor
+    compact_of_key: Tensor
+    segment_of_compact: Tensor
+    segment_of_key: Tensor
+
+
+def _status(bad_lengths: Tensor, bad_ids: Tensor) -> Tensor:
+    """Device-side status (no host sync, no host-to-device copy): bad lengths win over bad ids."""
+    return bad_lengths.to(torch.int64) * _BAD_LENGTHS + (bad_ids & ~bad_lengths).to(torch.int64) * _BAD_IDS
 
 
 def _uniform_batch_size(features: Any) -> int | None:
