@@ -816,7 +816,17 @@ class _RecordingTier(_NullTier):
 
 # Files of the device-cache step (their torch calls run on the device on CUDA) and of the host tiers (host
 # tensors only: their reads are not syncs).
-_DEVICE_FILES = ("_device_cache.py", "_device_path.py", "_layout.py", "_plan.py", "_module.py", "_init.py")
+_DEVICE_FILES = (
+    "_device_cache.py",
+    "_device_path.py",
+    "_dram_tier.py",
+    "_slot_index.py",
+    "_row_moves.py",
+    "_layout.py",
+    "_plan.py",
+    "_module.py",
+    "_init.py",
+)
 _HOST_FILES = ("_host_tier.py", "_tier.py", "_store.py", "_records.py")
 _PACKAGE_DIR = str(Path(ssd_tbe_adapter.__file__).parent)
 # aten ops whose output shape depends on the data (CUDA syncs for it) and the host reads of a value.
@@ -974,6 +984,51 @@ def test_device_cache_step_makes_one_host_read_per_prefetch(host_reads: _HostRea
     module.close()
 
 
+def test_full_dram_tier_reads_at_most_twice_and_writes_the_store(host_reads: _HostReads) -> None:
+    """A DRAM tier that is full (the rows a run touches do not fit): a prefetch reads at most twice from the
+    device-cache step (its counts, and the victims when room is made), the least recently kept rows go to the
+    store, and forward and backward read nothing."""
+    gen = torch.Generator().manual_seed(5)
+    module = make_module("cpu", on_device=True, cache_rows=3, host_cache_rows=60)
+    offsets = torch.arange(0, 2 * 3 * 8 + 1, 2, dtype=torch.int64)
+    batches = [torch.randint(0, 400, (48,), generator=gen) for _ in range(12)]
+    module(batches[0], offsets).sum().backward()  # the layout's per-bag tables are built once
+    reads = []
+    for indices in batches[1:]:
+        with host_reads:
+            module.prefetch(indices, offsets)
+        reads.append(host_reads.counts.get("read", 0))
+        assert set(host_reads.counts) <= {"read"}
+        host_reads.counts.clear()
+        with host_reads:
+            module(indices, offsets).sum().backward()
+        assert host_reads.counts == {}
+    metrics = module.metrics()
+    assert max(reads) <= 2, reads
+    assert metrics["host_tier_evicted_rows"] > 0
+    assert metrics["host_tier_written_rows"] > 0
+    assert metrics["host_tier_hits"] > 0
+    module.close()
+
+
+def test_dram_tier_flush_writes_its_dirty_rows_once() -> None:
+    """flush() writes the DRAM tier's dirty rows (and the device cache's) to the store; a second flush writes
+    nothing: they stay cached, clean."""
+    store = MemoryStore()
+    module = make_module("cpu", on_device=True, cache_rows=2, host_cache_rows=30, store=store)
+    offsets = torch.arange(0, 3 * 4 + 1, dtype=torch.int64) * 2
+    for seed in range(4):
+        indices = torch.randint(0, 20, (24,), generator=torch.Generator().manual_seed(seed))
+        module(indices, offsets).sum().backward()
+    module.flush()
+    written = module.metrics()["store_tier_written_rows"]
+    assert written > 0
+    assert module.metrics()["host_tier_cached_rows"] > 0
+    module.flush()
+    assert module.metrics()["store_tier_written_rows"] == written
+    module.close()
+
+
 @pytest.mark.parametrize(
     ("offsets", "message"),
     [
@@ -1107,6 +1162,61 @@ def test_cuda_prefetch_with_misses_syncs_at_most_twice() -> None:
         counts.append(sum("called a synchronizing CUDA operation" in str(w.message) for w in caught))
     assert module.metrics()["host_tier_hits"] > 0
     assert max(counts) <= 2, counts
+    module.close()
+
+
+@pytest.mark.gpu
+def test_cuda_row_moves_match_torch_on_pinned_rows() -> None:
+    """The Triton kernels that move rows between the device and pinned host memory give torch's index ops:
+    a gather into a strided view that skips ``-1`` rows, a scatter where several rows hit the trash row."""
+    from ssd_tbe_adapter._row_moves import gather_rows, scatter_rows
+
+    gen = torch.Generator().manual_seed(0)
+    host = torch.randn(50, 7, generator=gen).pin_memory()
+    index = torch.tensor([3, -1, 49, 0, 3, -1, 17])
+    out = torch.full((7, 9), 5.0, device="cuda")
+    gather_rows(host, index.cuda(), out[:, :7])
+    want = torch.full((7, 9), 5.0)
+    want[:, :7] = torch.where((index >= 0)[:, None], host.index_select(0, index.clamp(min=0)), want[:, :7])
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), want)
+    rows = torch.randn(5, 9, generator=gen)
+    target = torch.zeros(51, 9).pin_memory()
+    at = torch.tensor([4, 50, 10, 50, 0])
+    scatter_rows(rows.cuda(), at.cuda(), target)
+    torch.cuda.synchronize()
+    for i in (0, 2, 4):
+        assert torch.equal(target[at[i]], rows[i])
+    assert int((target[:50].abs().sum(1) > 0).sum()) == 3
+
+
+@pytest.mark.gpu
+def test_cuda_prefetch_over_a_dram_tier_with_room_syncs_once() -> None:
+    """While the DRAM tier has room, a prefetch that moves rows both ways (misses found there or read from
+    the store, victims kept there) syncs with the host once: its counts."""
+    gen = torch.Generator().manual_seed(4)
+    module = make_module("cuda", on_device=True, cache_rows=3, host_cache_rows=400)
+    bags = 16 * len(FTM)
+    offsets = torch.arange(0, 2 * bags + 1, 2, dtype=torch.int64).cuda()
+    batches = [torch.randint(0, 60, (2 * bags,), generator=gen).cuda() for _ in range(8)]
+    module.prefetch(batches[0], offsets)
+    module(batches[0], offsets).sum().backward()
+    counts = []
+    for indices in batches[1:]:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                module.prefetch(indices, offsets)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        module(indices, offsets).sum().backward()
+        counts.append(sum("called a synchronizing CUDA operation" in str(w.message) for w in caught))
+    metrics = module.metrics()
+    assert metrics["host_tier_hits"] > 0
+    assert metrics["hbm_evicted_rows"] > 0
+    assert max(counts) == 1, counts
     module.close()
 
 

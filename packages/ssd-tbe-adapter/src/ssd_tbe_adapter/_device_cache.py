@@ -38,26 +38,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from ssd_tbe_adapter._dram_tier import DramTier
 from ssd_tbe_adapter._host_tier import RowTier, TierRows
-from ssd_tbe_adapter._init import _mix
 from ssd_tbe_adapter._optimizer import RowOptimizer
+from ssd_tbe_adapter._row_moves import StagingBuffers
+from ssd_tbe_adapter._slot_index import SlotIndex
 
 __all__ = ["Assignment", "DeviceCache", "DeviceCacheMetrics"]
 
 _TICK_BITS = 40  # last-use ticks stay far below 2**40
 _MAX_USES = (1 << 20) - 1
 _NEVER = 1 << 62  # priority of a protected slot (never a victim): above every (uses, tick) key
-_MAX_KEY = (1 << 63) - 1
-
-
-def hash_keys(tables: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """A 64-bit hash of each ``(tables[i], ids[i])`` (int64, same device)."""
-    return _mix(_mix(tables) ^ ids)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -129,7 +124,9 @@ class DeviceCache:
         capacities: per table, its slots ``C_t >= 0``.
         dims: per table, its ``D``.
         device: where the buffer, index and slot metadata live.
-        lower: the tier below (host tier or store tier).
+        lower: the tier below: the host-DRAM tier indexed on the device (:class:`DramTier`: rows move by
+            kernels, no host work in steady state), or a host-side tier (:class:`RowTier`: the host-indexed
+            DRAM tier or the store tier; rows go through the host).
         round_fp16: round updated weights to fp16 (fp16 tables).
     """
 
@@ -142,8 +139,6 @@ class DeviceCache:
     dirty: torch.Tensor  # [S + 1] bool: newer than the store
     stamp: torch.Tensor  # [S + 1] int64: tick of the last use
     uses: torch.Tensor  # [S + 1] int64: lookups since the row came in (halved as it ages)
-    sorted_keys: torch.Tensor  # [S + 1] int64: hash of each valid slot's (table, id), invalid ones last
-    sorted_slots: torch.Tensor  # [S + 1] int64: the slot of each sorted key
 
     aging_turnovers = 8
     """Use counts are halved after this many turnovers of the slots (``S`` evictions each)."""
@@ -153,7 +148,7 @@ class DeviceCache:
         capacities: Sequence[int],
         dims: Sequence[int],
         device: torch.device,
-        lower: RowTier,
+        lower: RowTier | DramTier,
         *,
         round_fp16: bool,
     ) -> None:
@@ -173,8 +168,11 @@ class DeviceCache:
         self.bases_device = torch.tensor(self.bases, dtype=torch.int64, device=device)
         self.metrics = DeviceCacheMetrics()
         self._evicted_since_aging = 0
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._up_event: Any = None
+        # With a DramTier below, victims are counted on the device (no sync): evicted, written back, and the
+        # evictions since use counts were last halved; folded into `metrics` by `summary`.
+        self._moved_down = torch.zeros(3, dtype=torch.int64, device=device)
+        self._staging = StagingBuffers(device)
+        self._index: SlotIndex | None = None
         self._allocate(self.region_size, keep=False)
 
     # ------------------------------------------------------------------ state
@@ -223,14 +221,10 @@ class DeviceCache:
         self._rebuild_index()
 
     def _rebuild_index(self) -> None:
-        if self.device.type == "cuda" and hasattr(self, "sorted_keys"):
-            # The old index may have been made on another stream (prefetch vs. a forward without one): its
-            # memory is not reused before this stream's reads of it are done.
-            stream = torch.cuda.current_stream(self.device)
-            self.sorted_keys.record_stream(stream)
-            self.sorted_slots.record_stream(stream)
-        keys = torch.where(self.valid, hash_keys(self.slot_tables, self.slot_ids), _MAX_KEY)
-        self.sorted_keys, self.sorted_slots = torch.sort(keys)
+        if self._index is None:
+            self._index = SlotIndex(self.valid, self.slot_tables, self.slot_ids)
+        else:
+            self._index.rebuild(self.valid, self.slot_tables, self.slot_ids)
 
     def cached_rows(self) -> int:
         """Rows held now (host sync: metrics only)."""
@@ -240,16 +234,8 @@ class DeviceCache:
 
     def lookup(self, tables: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Slots of ``(tables[i], ids[i])`` (``[N]`` int64 on the device), ``-1`` where not cached. No sync."""
-        keys = hash_keys(tables, ids)
-        position = torch.searchsorted(self.sorted_keys, keys).clamp_(max=self.slots)
-        slots = self.sorted_slots.index_select(0, position)
-        hit = (
-            (self.sorted_keys.index_select(0, position) == keys)
-            & self.valid.index_select(0, slots)
-            & (self.slot_ids.index_select(0, slots) == ids)
-            & (self.slot_tables.index_select(0, slots) == tables)
-        )
-        return torch.where(hit, slots, -1)
+        assert self._index is not None
+        return self._index.find(tables, ids, self.valid, self.slot_tables, self.slot_ids)
 
     def assign(
         self,
@@ -304,16 +290,22 @@ class DeviceCache:
         at = torch.zeros(n + 1, dtype=torch.int64, device=self.device).index_copy_(
             0, torch.where(miss, rank, n), torch.arange(n, device=self.device)
         )
-        host_missing = self._staging("missing", n, 2, torch.int64)
-        host_missing.copy_(
-            torch.stack([u_tables, u_ids], 1).index_select(0, at[:n]), non_blocking=self.device.type == "cuda"
-        )
+        columns = [u_tables, u_ids]
         scalars = [unique, miss.sum(), overflowing.sum(), scratch_free]
+        dram = self.lower if isinstance(self.lower, DramTier) else None
+        if dram is not None:  # which misses the DRAM tier holds (their slots ride up with the missing keys)
+            below, dram_free = dram.locate(u_tables, u_ids, miss)
+            columns.append(below)
+            scalars += [(below >= 0).sum(), dram_free]
+        host_missing = self._staging.get("missing", n, len(columns), torch.int64)
+        host_missing.copy_(
+            torch.stack(columns, 1).index_select(0, at[:n]), non_blocking=self.device.type == "cuda"
+        )
         read = torch.cat([torch.stack(scalars), checks]) if checks is not None else torch.stack(scalars)
         values = [int(c) for c in read.tolist()]  # host sync: the only one before the rows move
         u, m, overflow, free = values[:4]
         if verify is not None:
-            verify(values[4:])
+            verify(values[len(scalars) :])
         # Hits: stamped and counted (unique slots: a plain copy, the trash slot takes the rest).
         self.stamp.index_fill_(0, touched, tick)
         self.uses.index_copy_(0, touched, self.uses.index_select(0, touched) + counts)
@@ -323,14 +315,28 @@ class DeviceCache:
                 chosen = self._overflow(chosen, overflowing, overflow, free, protect, before_rows)
             at = at[:m]
             new_slots = chosen.index_select(0, at)
-            self._move_in(
-                new_slots,
-                u_tables.index_select(0, at),
-                u_ids.index_select(0, at),
-                host_missing[:m],
-                tick,
-                before_rows,
-            )
+            if dram is not None:
+                self._move_in_from_dram(
+                    dram,
+                    new_slots,
+                    u_tables.index_select(0, at),
+                    u_ids.index_select(0, at),
+                    below.index_select(0, at),
+                    host_missing[:m],
+                    found=values[4],
+                    dram_free=values[5],
+                    tick=tick,
+                    before_rows=before_rows,
+                )
+            else:
+                self._move_in(
+                    new_slots,
+                    u_tables.index_select(0, at),
+                    u_ids.index_select(0, at),
+                    host_missing[:m],
+                    tick,
+                    before_rows,
+                )
             slots = slots.index_copy(0, at, new_slots)
         unique_slots = slots[:u]
         self.metrics.lookups += u
@@ -417,16 +423,6 @@ class DeviceCache:
         self.metrics.scratch_rows += overflow
         return torch.where(overflowing, scratch_order.index_select(0, overflow_rank), chosen)
 
-    def _staging(self, name: str, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-        """A reused host buffer ``[rows, cols]`` (pinned on CUDA; grown by doubling): a per-step pinned
-        allocation costs a cudaHostAlloc."""
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.shape[0] < rows or buffer.dtype != dtype:
-            size = max(rows, 2 * buffer.shape[0] if buffer is not None else 1024)
-            buffer = torch.empty(size, cols, dtype=dtype, pin_memory=self.device.type == "cuda")
-            self._buffers[name] = buffer
-        return buffer[:rows]
-
     def _move_in(
         self,
         slots: torch.Tensor,
@@ -451,15 +447,12 @@ class DeviceCache:
         """
         m, dmax, device = ids.numel(), self.dmax, self.device
         cuda = device.type == "cuda"
-        up = self._staging("up", m, dmax + 2, torch.float32)
-        if cuda and self._up_event is not None and not self._up_event.query():
-            self._up_event.synchronize()  # the last copy out of `up` (normally long done: an earlier prefetch)
-        fetched = self.lower.take(host_keys[:, 0].clone(), host_keys[:, 1].clone(), out=up)
+        lower = self.lower
+        assert not isinstance(lower, DramTier)
+        up = self._staging.get("up", m, dmax + 2, torch.float32)
+        fetched = lower.take(host_keys[:, 0].clone(), host_keys[:, 1].clone(), out=up)
         # The copy up touches no cache state: it may run while a backward still updates the victims.
-        moved = up.to(device, non_blocking=True) if cuda else up
-        if cuda:
-            self._up_event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-            self._up_event.record(torch.cuda.current_stream(device))
+        moved = self._staging.copy_up("up", up, device)
         if before_rows is not None:
             before_rows()  # victims' rows and dirty flags below; writes into the slots after
         flags = self.valid.index_select(0, slots).to(torch.int64) | (
@@ -469,8 +462,8 @@ class DeviceCache:
             [self.slot_tables.index_select(0, slots), self.slot_ids.index_select(0, slots), flags], 1
         )
         rows = torch.cat([self.weights.index_select(0, slots), self.state.index_select(0, slots)[:, None]], 1)
-        host_keys = self._staging("keys", m, 3, torch.int64)
-        host_rows = self._staging("down", m, dmax + 1, torch.float32)
+        host_keys = self._staging.get("keys", m, 3, torch.int64)
+        host_rows = self._staging.get("down", m, dmax + 1, torch.float32)
         host_keys.copy_(keys, non_blocking=cuda)
         host_rows.copy_(rows, non_blocking=cuda)
         if cuda:
@@ -479,7 +472,7 @@ class DeviceCache:
         keys_np, rows_np = host_keys.numpy(), host_rows.numpy()  # numpy: faster row picks on the host
         host_flags = keys_np[:, 2]
         occupied = (host_flags & 1).astype(np.bool_)
-        handed = occupied if self.lower.keeps_clean_rows else (host_flags == 3)
+        handed = occupied if lower.keeps_clean_rows else (host_flags == 3)
         evicted = int(occupied.sum())
         if evicted:
             picked = np.flatnonzero(handed)
@@ -495,10 +488,10 @@ class DeviceCache:
                     dirty=torch.from_numpy((host_flags[picked] & 2).astype(np.bool_)),
                 )
                 try:
-                    self.lower.give(victims)
+                    lower.give(victims)
                 except BaseException:
                     if bool(fetched.dirty.any()):
-                        self.lower.give(fetched.select(fetched.dirty))
+                        lower.give(fetched.select(fetched.dirty))
                     raise
                 self.metrics.written_back_rows += int(np.count_nonzero(host_flags[picked] == 3))
             self.metrics.evicted_rows += evicted
@@ -506,6 +499,102 @@ class DeviceCache:
             if self._evicted_since_aging >= self.aging_turnovers * max(self.slots, 1):
                 self.uses.bitwise_right_shift_(1)  # old popularity fades
                 self._evicted_since_aging = 0
+        self.metrics.bytes_to_device += m * (dmax + 2) * 4
+        self._fill_slots(slots, tables, ids, moved, tick)
+
+    def _move_in_from_dram(
+        self,
+        dram: DramTier,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        ids: torch.Tensor,
+        below: torch.Tensor,
+        host_keys: torch.Tensor,
+        *,
+        found: int,
+        dram_free: int,
+        tick: int,
+        before_rows: Callable[[], None] | None,
+    ) -> None:
+        """Move ``(tables, ids)`` (``[M]`` device) into ``slots`` (``[M]``, distinct) from the DRAM tier below
+        (``below``: their slots there, ``-1`` where absent; ``found`` of them held there, ``dram_free`` free
+        slots there; ``host_keys`` ``[M, 3]`` the same on the host), evicting what the slots hold into it.
+
+        In steady state (every row in the tier, room for the victims) this is device work only: one kernel
+        gathers the rows up from pinned host memory, one scatters the victims down, nothing is read back. The
+        host steps in only for rows the tier lacks (a store read) and for room when it is full (one wait, store
+        writes), both before anything changes, so a failing store call changes no tier.
+        """
+        m, dmax = ids.numel(), self.dmax
+        read = dram.read_below(host_keys, m - found)  # store reads (host): may raise, nothing changed
+        dram.make_room(min(m, dram.capacity) - dram_free - found, below)  # when full: store writes, may raise
+        if before_rows is not None:
+            before_rows()  # victims' rows and dirty flags below; writes into the slots after
+        occupied = self.valid.index_select(0, slots)
+        dirty = self.dirty.index_select(0, slots)
+        evicted = occupied.sum()
+        written = (occupied & dirty).sum()
+        victim_tables = self.slot_tables.index_select(0, slots)
+        victim_ids = self.slot_ids.index_select(0, slots)
+        if (
+            m > dram.capacity
+        ):  # more victims than the tier holds (a tiny tier): the first ones go to the store
+            occupied = self._spill(dram, slots, occupied, dirty, m - dram.capacity)
+        victims = torch.cat(
+            [self.weights.index_select(0, slots), self.state.index_select(0, slots)[:, None]], 1
+        )
+        moved = torch.empty(m, dmax + 2, dtype=torch.float32, device=self.device)
+        dram.take_up(below, read, moved)
+        dram.keep(victim_tables, victim_ids, victims, dirty, occupied)
+        # Counted on the device (no sync): evicted, written back, evicted since the use counts were halved.
+        self._moved_down += torch.stack([evicted, written, evicted])
+        aged = self._moved_down[2] >= self.aging_turnovers * max(self.slots, 1)
+        self.uses.bitwise_right_shift_(aged.to(torch.int64))  # old popularity fades
+        self._moved_down[2:].mul_((~aged).to(torch.int64))
+        self.metrics.bytes_to_device += m * (dmax + 2) * 4
+        self._fill_slots(slots, tables, ids, moved, tick)
+
+    def _spill(
+        self, dram: DramTier, slots: torch.Tensor, occupied: torch.Tensor, dirty: torch.Tensor, count: int
+    ) -> torch.Tensor:
+        """``occupied`` without the first ``count`` occupied victims in ``slots``, whose dirty rows go straight to
+        the store (clean ones are there): victims that the DRAM tier cannot hold (a batch missing more rows than
+        the tier holds). One device-to-host copy of every victim's key, flags and row, one wait."""
+        m, dmax, cuda = slots.numel(), self.dmax, self.device.type == "cuda"
+        keys = torch.stack(
+            [self.slot_tables.index_select(0, slots), self.slot_ids.index_select(0, slots), occupied, dirty],
+            1,
+        )
+        rows = torch.cat([self.weights.index_select(0, slots), self.state.index_select(0, slots)[:, None]], 1)
+        host_keys = self._staging.get("spill_keys", m, 4, torch.int64)
+        host_rows = self._staging.get("spill_rows", m, dmax + 1, torch.float32)
+        host_keys.copy_(keys, non_blocking=cuda)
+        host_rows.copy_(rows, non_blocking=cuda)
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()  # host sync: the victims
+        keys_np, rows_np = host_keys.numpy(), host_rows.numpy()
+        out = np.flatnonzero(keys_np[:, 2])[:count]
+        if out.shape[0] == 0:
+            return occupied
+        at = out[keys_np[out, 3] != 0]
+        if at.shape[0]:
+            dram.persist(
+                TierRows(
+                    tables=torch.from_numpy(keys_np[at, 0]),
+                    ids=torch.from_numpy(keys_np[at, 1]),
+                    weights=torch.from_numpy(rows_np[at, :dmax]),
+                    state=torch.from_numpy(rows_np[at, dmax]),
+                    dirty=torch.ones(at.shape[0], dtype=torch.bool),
+                )
+            )
+        return occupied.index_fill(0, torch.from_numpy(out).to(self.device), False)
+
+    def _fill_slots(
+        self, slots: torch.Tensor, tables: torch.Tensor, ids: torch.Tensor, moved: torch.Tensor, tick: int
+    ) -> None:
+        """Write the rows ``moved`` (``[M, D_max + 2]``: weights, state, dirty) of ``(tables, ids)`` into ``slots``,
+        stamped at ``tick``, and rebuild the index."""
+        m, dmax = ids.numel(), self.dmax
         self.weights.index_copy_(0, slots, moved[:, :dmax])
         self.state.index_copy_(0, slots, moved[:, dmax])
         self.dirty.index_copy_(0, slots, moved[:, dmax + 1] != 0)
@@ -516,7 +605,6 @@ class DeviceCache:
         self.uses.index_fill_(0, slots, 1)
         self._rebuild_index()
         self.metrics.inserted_rows += m
-        self.metrics.bytes_to_device += m * (dmax + 2) * 4
 
     def update(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """Apply ``optimizer`` to the rows in ``slots`` (``[U]`` unique, device) with their summed gradients
@@ -578,6 +666,12 @@ class DeviceCache:
     def summary(self) -> dict[str, float]:
         """``hbm_*`` counters (rows and bytes moved, hit rate), the scratch pool size and the tiers below."""
         m = self.metrics
+        if isinstance(self.lower, DramTier):  # the victims counted on the device (a host sync: metrics)
+            evicted, written = (int(v) for v in self._moved_down[:2].tolist())
+            self._moved_down[:2].zero_()
+            m.evicted_rows += evicted
+            m.written_back_rows += written
+            m.bytes_to_host += evicted * (self.dmax + 1) * 4
         out = {f"hbm_{name}": float(getattr(m, name)) for name in m.__slots__}
         out["hbm_hit_rate"] = m.hits / m.lookups if m.lookups else 0.0
         out["hbm_slots"] = float(self.slots)
@@ -589,4 +683,5 @@ class DeviceCache:
     def reset_metrics(self) -> None:
         """Zero the counters here and below."""
         self.metrics = DeviceCacheMetrics()
+        self._moved_down[:2].zero_()
         self.lower.reset_metrics()

@@ -37,10 +37,12 @@ import torch
 import torch.nn.functional as F
 
 from ssd_tbe_adapter._device_cache import DeviceCache
+from ssd_tbe_adapter._dram_tier import DramTier
 from ssd_tbe_adapter._host_tier import HostTier, RowTier, StoreTier
 from ssd_tbe_adapter._layout import allocate_output, bag_grads, chained_input_grad, place_pooled
 from ssd_tbe_adapter._optimizer import RowOptimizer
 from ssd_tbe_adapter._plan import Plan, check_offset_values, plan_batch
+from ssd_tbe_adapter._row_moves import moves_on_device
 from ssd_tbe_adapter._tier import CacheTier
 from ssd_tbe_adapter.errors import InvalidArgumentError
 
@@ -86,7 +88,9 @@ class DevicePath:
         dims: per table, its ``D``.
         feature_table_map: per feature, its table.
         device: where the cache lives (CPU or one CUDA device).
-        host_cache_rows: rows of the host-DRAM tier (0: none, the store is the next tier).
+        host_cache_rows: rows of the host-DRAM tier (0: none, the store is the next tier). Indexed on the
+            device, its rows moved by kernels (:class:`DramTier`) where the device can (the CPU, CUDA with
+            Triton); else indexed on the host (:class:`HostTier`).
         round_fp16: fp16 tables (updated weights are rounded to fp16).
     """
 
@@ -106,9 +110,12 @@ class DevicePath:
         self._feature_dims = [self._dims[t] for t in self._ftm]
         self._device = device
         self._cuda = device.type == "cuda"
-        lower: RowTier = StoreTier(tier, dims, pin=self._cuda)
-        if host_cache_rows:
-            lower = HostTier(host_cache_rows, dims, lower, pin=self._cuda)
+        store: RowTier = StoreTier(tier, dims, pin=self._cuda)
+        lower: RowTier | DramTier = store
+        if host_cache_rows and moves_on_device(device):
+            lower = DramTier(host_cache_rows, dims, store, device)
+        elif host_cache_rows:
+            lower = HostTier(host_cache_rows, dims, store, pin=self._cuda)
         self.cache = DeviceCache(capacities, dims, device, lower, round_fp16=round_fp16)
         self._tick = 0
         self._open: set[int] = set()  # ticks of batches whose rows must not move
@@ -250,7 +257,7 @@ class DevicePath:
         """Read the rows of ``ids`` (``[K]`` int64 host, unique, not cached yet) from the store into the host
         tier (warm start: benchmarks); nothing without a host tier."""
         lower = self.cache.lower
-        if isinstance(lower, HostTier):
+        if isinstance(lower, HostTier | DramTier):
             lower.load(torch.full_like(ids, table), ids)
 
     def close(self) -> None:
