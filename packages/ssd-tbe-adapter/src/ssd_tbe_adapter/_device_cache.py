@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ssd_tbe_adapter._dram_tier import DramTier
+from ssd_tbe_adapter._graphed import GraphedCalls
 from ssd_tbe_adapter._host_tier import RowTier, TierRows
 from ssd_tbe_adapter._optimizer import RowOptimizer
 from ssd_tbe_adapter._row_moves import StagingBuffers
@@ -63,6 +64,36 @@ class Assignment:
     unique_slots: torch.Tensor  # [U] int64 distinct: the batch's rows, in (table, id) order
     inverse: torch.Tensor  # [N] int64: position of each lookup's slot in unique_slots
     inserted: int  # rows moved in from the tier below for this batch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Survey:
+    """What an assignment's survey found over the ``N`` padded lookups (device tensors, ``[N]`` unless said)."""
+
+    tables: (
+        torch.Tensor
+    )  # unique pairs' tables, sorted by (table, id); positions past the pairs repeat the last
+    ids: torch.Tensor  # unique pairs' ids
+    counts: torch.Tensor  # lookups per pair (the padding's repeats not counted)
+    inverse: torch.Tensor  # position of each lookup's pair
+    slots: torch.Tensor  # each pair's slot here, -1 if not cached
+    touched: torch.Tensor  # each hit's slot, the trash slot elsewhere
+    chosen: torch.Tensor  # a slot in its table's region for each miss, -1 where none
+    overflowing: torch.Tensor  # the misses left for the scratch pool
+    at: torch.Tensor  # [N + 1]: positions of the misses among the pairs, ascending, zeros after them
+    below: torch.Tensor | None  # each miss's slot in the DRAM tier (-1: absent), None without one
+
+
+def _bucket(n: int) -> int:
+    """``n`` rounded up to a multiple of 1/16 of its power of two (at least 1024): at most ~6% padding and
+    16 sizes per octave, so the survey's graphs are reused."""
+    step = max(1024, 1 << max(n.bit_length() - 5, 0))
+    return -(-n // step) * step
+
+
+def _pad(values: torch.Tensor, size: int) -> torch.Tensor:
+    """``values`` (``[n] >= 1``) followed by repeats of its first element up to ``size``."""
+    return torch.cat([values, values[:1].expand(size - values.numel())])
 
 
 @dataclass(slots=True)
@@ -172,7 +203,8 @@ class DeviceCache:
         # evictions since use counts were last halved; folded into `metrics` by `summary`.
         self._moved_down = torch.zeros(3, dtype=torch.int64, device=device)
         self._staging = StagingBuffers(device)
-        self._index: SlotIndex | None = None
+        self._generation = 0  # bumped when the slot buffers are reallocated (the survey graphs read them)
+        self._surveys: GraphedCalls[Survey] = GraphedCalls(device, self._survey)
         self._allocate(self.region_size, keep=False)
 
     # ------------------------------------------------------------------ state
@@ -218,13 +250,9 @@ class DeviceCache:
         # `valid[slots] = False`: an element assignment is a synchronous host-to-device copy on CUDA).
         self.weights, self.state, self.slot_ids, self.slot_tables = weights, state, slot_ids, slot_tables
         self.valid, self.dirty, self.stamp, self.uses = valid, dirty, stamp, uses
-        self._rebuild_index()
-
-    def _rebuild_index(self) -> None:
-        if self._index is None:
-            self._index = SlotIndex(self.valid, self.slot_tables, self.slot_ids)
-        else:
-            self._index.rebuild(self.valid, self.slot_tables, self.slot_ids)
+        self._index = SlotIndex(self.valid, self.slot_tables, self.slot_ids)
+        self._generation += 1
+        self._surveys.clear()
 
     def cached_rows(self) -> int:
         """Rows held now (host sync: metrics only)."""
@@ -234,7 +262,6 @@ class DeviceCache:
 
     def lookup(self, tables: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Slots of ``(tables[i], ids[i])`` (``[N]`` int64 on the device), ``-1`` where not cached. No sync."""
-        assert self._index is not None
         return self._index.find(tables, ids, self.valid, self.slot_tables, self.slot_ids)
 
     def assign(
@@ -273,39 +300,42 @@ class DeviceCache:
                 verify([int(c) for c in checks.tolist()])  # host sync: only for an empty batch with checks
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return Assignment(slots=empty, unique_slots=empty, inverse=empty, inserted=0)
-        u_tables, u_ids, counts, inverse, unique = _unique_pairs(tables, ids)
-        real = torch.arange(n, device=self.device) < unique  # padding past the unique pairs
-        slots = self.lookup(u_tables, u_ids)
-        hit = slots >= 0
-        miss = ~hit & real
-        # Up to the read below nothing changes here (``verify`` may still refuse the batch): the hits are
-        # protected from the victim choice by a mask, and stamped and counted only after the read.
-        touched = torch.where(hit & real, slots, self.trash)  # unique slots; the trash slot takes the rest
-        held = torch.zeros_like(self.valid).index_fill_(0, touched, True)
-        chosen, overflowing, scratch_free = self._choose(u_tables, miss, protect, held)
-        # Positions of the misses among the pairs (ascending) at the front of `at` (zeros after them), and
-        # their keys copied to the host ahead of the counts' read (which waits for it: same stream), so the
-        # tiers below can be asked before anything waits for the forward/backward stream.
-        rank = torch.cumsum(miss, 0) - 1
-        at = torch.zeros(n + 1, dtype=torch.int64, device=self.device).index_copy_(
-            0, torch.where(miss, rank, n), torch.arange(n, device=self.device)
-        )
-        columns = [u_tables, u_ids]
-        scalars = [unique, miss.sum(), overflowing.sum(), scratch_free]
+        # The survey (everything up to the read of its counts) runs over the lookups padded to a bucket size,
+        # as one CUDA graph replay per bucket on CUDA (same padded code eagerly elsewhere).
+        padded = _bucket(n)
         dram = self.lower if isinstance(self.lower, DramTier) else None
-        if dram is not None:  # which misses the DRAM tier holds (their slots ride up with the missing keys)
-            below, dram_free = dram.locate(u_tables, u_ids, miss)
-            columns.append(below)
-            scalars += [(below >= 0).sum(), dram_free]
-        host_missing = self._staging.get("missing", n, len(columns), torch.int64)
-        host_missing.copy_(
-            torch.stack(columns, 1).index_select(0, at[:n]), non_blocking=self.device.type == "cuda"
+        columns = 3 if dram is not None else 2
+        host_missing = self._staging.get(f"missing{padded}", padded, columns, torch.int64)
+        host_read = self._staging.get(
+            f"read{padded}", 1, 6 + (0 if checks is None else checks.numel()), torch.int64
         )
-        read = torch.cat([torch.stack(scalars), checks]) if checks is not None else torch.stack(scalars)
-        values = [int(c) for c in read.tolist()]  # host sync: the only one before the rows move
+        scalars = self._staging.get("scalars", 1, 2, torch.int64)
+        scalars.numpy()[0] = (protect, n - padded)  # the victim choice's bound, the padding's negative count
+        inputs = [
+            _pad(tables, padded),
+            _pad(ids, padded),
+            self._staging.copy_up("scalars", scalars, self.device),
+        ]
+        if checks is not None:
+            inputs.append(checks)
+        key = (padded, columns, host_read.shape[1], self._generation)
+        survey = self._surveys(key, inputs, fixed=(host_missing, host_read))
+        if self.device.type == "cuda":
+            # host sync: the only one before the rows move
+            torch.cuda.current_stream(self.device).synchronize()
+        values = [int(c) for c in host_read[0].tolist()]
+        u_tables, u_ids, counts, inverse = survey.tables, survey.ids, survey.counts, survey.inverse[:n]
+        slots, touched, chosen, overflowing, at = (
+            survey.slots,
+            survey.touched,
+            survey.chosen,
+            survey.overflowing,
+            survey.at,
+        )
+        below = survey.below
         u, m, overflow, free = values[:4]
         if verify is not None:
-            verify(values[len(scalars) :])
+            verify(values[6:])
         # Hits: stamped and counted (unique slots: a plain copy, the trash slot takes the rest).
         self.stamp.index_fill_(0, touched, tick)
         self.uses.index_copy_(0, touched, self.uses.index_select(0, touched) + counts)
@@ -316,6 +346,7 @@ class DeviceCache:
             at = at[:m]
             new_slots = chosen.index_select(0, at)
             if dram is not None:
+                assert below is not None
                 self._move_in_from_dram(
                     dram,
                     new_slots,
@@ -338,18 +369,82 @@ class DeviceCache:
                     before_rows,
                 )
             slots = slots.index_copy(0, at, new_slots)
-        unique_slots = slots[:u]
+        unique_slots = slots[:u].clone()  # the survey's tensors are the graph's: rewritten by its next replay
         self.metrics.lookups += u
         self.metrics.hits += u - m
         return Assignment(
             slots=unique_slots.index_select(0, inverse),
             unique_slots=unique_slots,
-            inverse=inverse,
+            inverse=inverse.clone(),
             inserted=m,
         )
 
+    def _survey(
+        self,
+        tables: torch.Tensor,
+        ids: torch.Tensor,
+        scalars: torch.Tensor,
+        *rest: torch.Tensor,
+    ) -> Survey:
+        """The survey of ``N`` padded lookups (the padding repeats the first lookup): unique pairs, hits,
+        victims for the misses, which misses the DRAM tier holds; the missing keys and the counts (plus the
+        optional checks) copied into the host buffers that end ``rest``. Device work only, no sync, nothing
+        changed here: capturable as a CUDA graph per ``N``.
+
+        ``scalars``: ``[1, 2]`` int64 on the device: ``protect`` and minus the padding's lookups.
+        """
+        *checks, host_missing, host_read = rest
+        n = ids.numel()
+        device = self.device
+        u_tables, u_ids, counts, inverse, unique = _unique_pairs(tables, ids)
+        counts.index_add_(0, inverse[:1], scalars[0, 1:])  # the padding's repeats of the first lookup
+        protect = scalars[0, 0]
+        real = torch.arange(n, device=device) < unique  # padding past the unique pairs
+        slots = self.lookup(u_tables, u_ids)
+        hit = slots >= 0
+        miss = ~hit & real
+        # Up to the read of the counts nothing changes here (``verify`` may still refuse the batch): the hits
+        # are protected from the victim choice by a mask, and stamped and counted only after the read.
+        touched = torch.where(hit & real, slots, self.trash)  # unique slots; the trash slot takes the rest
+        held = torch.zeros_like(self.valid).index_fill_(0, touched, True)
+        chosen, overflowing, scratch_free = self._choose(u_tables, miss, protect, held)
+        # Positions of the misses among the pairs (ascending) at the front of `at` (zeros after them), and
+        # their keys copied to the host ahead of the counts' read (which waits for it: same stream), so the
+        # tiers below can be asked before anything waits for the forward/backward stream.
+        rank = torch.cumsum(miss, 0) - 1
+        at = torch.zeros(n + 1, dtype=torch.int64, device=device).index_copy_(
+            0, torch.where(miss, rank, n), torch.arange(n, device=device)
+        )
+        columns = [u_tables, u_ids]
+        counted = [unique, miss.sum(), overflowing.sum(), scratch_free]
+        below = None
+        if isinstance(self.lower, DramTier):  # which misses it holds (their slots ride up with the keys)
+            below, dram_free = self.lower.locate(u_tables, u_ids, miss)
+            columns.append(below)
+            counted += [(below >= 0).sum(), dram_free]
+        else:
+            counted += [unique * 0, unique * 0]
+        cuda = device.type == "cuda"
+        host_missing.copy_(torch.stack(columns, 1).index_select(0, at[:n]), non_blocking=cuda)
+        read = torch.stack(counted)
+        if checks:
+            read = torch.cat([read, checks[0]])
+        host_read.copy_(read[None], non_blocking=cuda)
+        return Survey(
+            tables=u_tables,
+            ids=u_ids,
+            counts=counts,
+            inverse=inverse,
+            slots=slots,
+            touched=touched,
+            chosen=chosen,
+            overflowing=overflowing,
+            at=at,
+            below=below,
+        )
+
     def _priorities(
-        self, start: int, stop: int, protect: int, held: torch.Tensor | None = None
+        self, start: int, stop: int, protect: int | torch.Tensor, held: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Victim priority of slots ``[start, stop)`` (lowest first): -1 free, else (uses, last-use tick) as one
         int64, ``_NEVER`` if protected (used at or after ``protect``, or marked in ``held``, ``[S + 1]`` bool)."""
@@ -363,7 +458,7 @@ class DeviceCache:
         )
 
     def _choose(
-        self, tables: torch.Tensor, miss: torch.Tensor, protect: int, held: torch.Tensor
+        self, tables: torch.Tensor, miss: torch.Tensor, protect: torch.Tensor, held: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Slots in the tables' own regions for the missing pairs (``miss``; ``tables`` ascending), no sync;
         slots marked in ``held`` (the batch's hits, not stamped yet) are protected too.
@@ -603,7 +698,8 @@ class DeviceCache:
         self.valid.index_fill_(0, slots, True)
         self.stamp.index_fill_(0, slots, tick)
         self.uses.index_fill_(0, slots, 1)
-        self._rebuild_index()
+        self._index.set_keys(slots, tables, ids)
+        self._index.rebuild(self.valid)
         self.metrics.inserted_rows += m
 
     def update(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
@@ -660,7 +756,7 @@ class DeviceCache:
         self.dirty.zero_()
         self.stamp.zero_()
         self.uses.zero_()
-        self._rebuild_index()
+        self._index.rebuild(self.valid)
         self.lower.clear()
 
     def summary(self) -> dict[str, float]:
@@ -676,6 +772,8 @@ class DeviceCache:
         out["hbm_hit_rate"] = m.hits / m.lookups if m.lookups else 0.0
         out["hbm_slots"] = float(self.slots)
         out["hbm_scratch_slots"] = float(self.slots - self.region_size)
+        out["hbm_survey_graph_replays"] = float(self._surveys.replays)
+        out["hbm_survey_graph_captures"] = float(self._surveys.captures)
         out["hbm_cached_rows"] = float(self.cached_rows())
         out.update(self.lower.summary())
         return out

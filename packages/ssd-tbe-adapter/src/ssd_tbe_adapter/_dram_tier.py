@@ -193,7 +193,8 @@ class DramTier:
         self.valid.index_copy_(0, target, occupied)
         self.dirty.index_copy_(0, target, dirty & occupied)
         self.stamp.index_fill_(0, target, self._clock)
-        self._index.rebuild(self.valid, self.slot_tables, self.slot_ids)
+        self._index.set_keys(target, tables, ids)
+        self._index.rebuild(self.valid)
         self._kept += occupied.sum()
 
     # ------------------------------------------------------------------ the rest of a tier
@@ -232,7 +233,7 @@ class DramTier:
         self.valid.zero_()
         self.dirty.zero_()
         self.stamp.zero_()
-        self._index.rebuild(self.valid, self.slot_tables, self.slot_ids)
+        self._index.rebuild(self.valid)
         self._lower.clear()
 
     def cached_rows(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ssd_tbe_adapter._init import _mix
+from ssd_tbe_adapter._row_moves import moves_on_device
 
 __all__ = ["SlotIndex", "hash_keys"]
 
@@ -17,36 +18,42 @@ _MAX_KEY = (1 << 63) - 1
 
 
 def hash_keys(tables: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """A 64-bit hash of each ``(tables[i], ids[i])`` (int64, same device)."""
+    """A 64-bit hash of each ``(tables[i], ids[i])`` (int64, same device; one Triton launch on CUDA)."""
+    if ids.device.type == "cuda" and moves_on_device(ids.device):
+        from ssd_tbe_adapter._hash_kernel import hash_pairs
+
+        return hash_pairs(tables.contiguous(), ids.contiguous())
     return _mix(_mix(tables) ^ ids)
 
 
 class SlotIndex:
-    """The sorted keys of one tier's slots ``[S + 1]`` (the last one a trash slot that is never valid).
+    """The keys of one tier's slots ``[S + 1]`` (the last one a trash slot that is never valid), sorted.
+
+    Each slot's hash is kept (:meth:`set_keys` when slots are filled), so a rebuild is one masked sort into
+    the same buffers (their addresses never change: a CUDA graph may read them), not a rehash of every slot.
 
     Args:
-        valid, slot_tables, slot_ids: the tier's per-slot metadata (same device), read at each rebuild and
-            lookup (the tier may replace these tensors; it passes the current ones).
+        valid, slot_tables, slot_ids: the tier's per-slot metadata (same device), hashed once here.
     """
 
+    slot_keys: torch.Tensor  # [S + 1] int64: hash of each slot's (table, id), whatever its valid flag
     sorted_keys: torch.Tensor  # [S + 1] int64: hash of each valid slot's (table, id), invalid ones last
     sorted_slots: torch.Tensor  # [S + 1] int64: the slot of each sorted key
 
     def __init__(self, valid: torch.Tensor, slot_tables: torch.Tensor, slot_ids: torch.Tensor) -> None:
-        self._built = False
-        self.rebuild(valid, slot_tables, slot_ids)
+        self.slot_keys = hash_keys(slot_tables, slot_ids)
+        self.sorted_keys = torch.empty_like(self.slot_keys)
+        self.sorted_slots = torch.empty_like(self.slot_keys)
+        self.rebuild(valid)
 
-    def rebuild(self, valid: torch.Tensor, slot_tables: torch.Tensor, slot_ids: torch.Tensor) -> None:
-        """Sort the valid slots' keys again (after slots were filled)."""
-        if self._built and valid.device.type == "cuda":
-            # The old index may have been made on another stream (prefetch vs. a forward without one): its
-            # memory is not reused before this stream's reads of it are done.
-            stream = torch.cuda.current_stream(valid.device)
-            self.sorted_keys.record_stream(stream)
-            self.sorted_slots.record_stream(stream)
-        keys = torch.where(valid, hash_keys(slot_tables, slot_ids), _MAX_KEY)
-        self.sorted_keys, self.sorted_slots = torch.sort(keys)
-        self._built = True
+    def set_keys(self, slots: torch.Tensor, tables: torch.Tensor, ids: torch.Tensor) -> None:
+        """Slots ``slots`` (``[M]``) now hold ``(tables, ids)`` (call :meth:`rebuild` after)."""
+        self.slot_keys.index_copy_(0, slots, hash_keys(tables, ids))
+
+    def rebuild(self, valid: torch.Tensor) -> None:
+        """Sort the valid slots' keys again (after slots were filled or freed)."""
+        keys = torch.where(valid, self.slot_keys, _MAX_KEY)
+        torch.sort(keys, out=(self.sorted_keys, self.sorted_slots))
 
     def find(
         self,
