@@ -1,8 +1,8 @@
 """The input dist's table-wise bucketing (no sort) gives exactly what the general by-shard path gives.
 
 Both paths run over real gloo ``all_to_all_single`` calls of a 1-rank group told it is not alone
-(``_alone = False``): the by-shard path is the same module with ``_table_wise = False``. Also: the lengths
-and the ids travel in one all-to-all.
+(``_alone = False``): the by-shard path is the same module with ``_table_wise = False``. Also: on CPU the
+lengths and ids ride with the header in one all-to-all, within a capacity per pair of ranks.
 """
 
 from __future__ import annotations
@@ -136,11 +136,7 @@ def test_bad_input_raises_on_both_paths(one_rank: None, table_wise: bool) -> Non
     backward(module(good).values().sum())  # the module goes on
 
 
-def test_lengths_and_ids_share_one_all_to_all(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An unweighted input dist makes two all-to-alls: the header, then the lengths and ids together."""
-    del one_rank
-    fast, _ = _pair(ShardedEmbeddingBags, 5)
-    features = make_batches(5, [4], False)[0].features(CPU)
+def _count_all_to_alls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = dist.all_to_all_single
 
@@ -149,6 +145,41 @@ def test_lengths_and_ids_share_one_all_to_all(one_rank: None, monkeypatch: pytes
         return real(*args, **kwargs)
 
     monkeypatch.setattr(dist, "all_to_all_single", counted)
-    dist_features = fast.wait_input_dist(fast.start_input_dist(features))
-    assert len(calls) == 2
-    assert dist_features.values().numel() == features.values().numel()
+    return calls
+
+
+def test_ids_ride_with_the_header_within_capacity(one_rank: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU an unweighted input dist is one all-to-all (header, lengths and ids) once the pair's capacity
+    holds the payload; a payload past it takes a second all-to-all and grows the capacity."""
+    del one_rank
+    fast, _ = _pair(ShardedEmbeddingBags, 5)
+    calls = _count_all_to_alls(monkeypatch)
+    made = []
+    for batch in (4, 4, 3, 40, 40):
+        features = make_batches(5, [batch], False)[0].features(CPU)
+        calls.clear()
+        dist_features = fast.wait_input_dist(fast.start_input_dist(features))
+        made.append(len(calls))
+        assert dist_features.values().numel() == features.values().numel()
+    assert made == [2, 1, 1, 2, 1]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), batches=st.lists(st.integers(0, 40), min_size=2, max_size=5))
+def test_payload_within_capacity_equals_overflow_path(one_rank: None, seed: int, batches: list[int]) -> None:
+    """Distributed features are the same whether the payload rode with the header (a module that has seen
+    larger batches) or came in the second all-to-all (a fresh module: capacity 0)."""
+    del one_rank
+    seasoned, _ = _pair(ShardedEmbeddingBags, seed)
+    seasoned.wait_input_dist(seasoned.start_input_dist(make_batches(seed, [40], True)[0].features(CPU)))
+    for step, batch in enumerate(batches):
+        local = _rotated(seed + step, batch, step % 2 == 0, step % len(FEATURES))
+        fresh, _ = _pair(ShardedEmbeddingBags, seed)
+        a, b = (m.wait_input_dist(m.start_input_dist(local.features(CPU))) for m in (seasoned, fresh))
+        for name in ("values", "lengths"):
+            torch.testing.assert_close(getattr(a, name)(), getattr(b, name)(), rtol=0, atol=0, msg=name)
+        assert a.stride_per_key_per_rank() == b.stride_per_key_per_rank()
+        wa, wb = a.weights_or_none(), b.weights_or_none()
+        assert (wa is None) == (wb is None)
+        if wa is not None and wb is not None:
+            torch.testing.assert_close(wa, wb, rtol=0, atol=0)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vbe_lookup._dist_comm import Communicator
+from vbe_lookup._dist_comm import _DONE, Communicator
 from vbe_lookup._features import VBEFeatures
 from vbe_lookup._sharding_errors import CollectiveOrderError, PeerRankError, UnknownFeatureError
 from vbe_lookup._sharding_plan import ShardingLayout
@@ -40,9 +40,11 @@ from vbe_lookup.errors import BatchLayoutError, IndexOutOfRangeError, InvalidFea
 __all__ = ["DistributedFeatures", "InputDist", "InputDistHandle", "PendingRead", "SourceContext"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
-_HEADER_FIXED = 7  # status, batch size, has weights, weights require grad, ids sent, step, skipped backward
+# status, batch size, has weights, weights require grad, ids sent, step, skipped backward, payload overflow
+_HEADER_FIXED = 8
 _STEP = 5
 _SKIPPED = 6
+_OVERFLOW = 7
 _OK, _BAD_INPUT, _BAD_IDS, _BAD_LENGTHS = 0, 1, 2, 3
 _MAX_CACHE = 64
 
@@ -160,6 +162,8 @@ class InputDistHandle:
     # Several ranks: ``lengths_out`` holds, per source rank, its lengths then its ids (one all-to-all,
     # ``lengths_work``), these sizes in that order; empty: ``lengths_out`` holds only lengths.
     merged_sizes: tuple[int, ...] = ()
+    # CPU: the received ids, which came with the header (``lengths_out`` then holds the lengths).
+    values_out: Tensor | None = None
 
 
 @dataclass(slots=True, kw_only=True, eq=False)
@@ -248,6 +252,8 @@ class InputDist:
         # Every table in one shard (table-wise, or a group of one): ids bucketize by key, without a sort.
         self._table_wise = all(len(shards) == 1 and shards[0].row_start == 0 for shards in layout.shards)
         self._table_wise_cache: dict[tuple[str, ...], _TableWiseLayout] = {}
+        # CPU (gloo): lengths and ids travel with the header, within per-pair capacities (see start()).
+        self._payload_caps = _PayloadCaps(self.world) if dev.type == "cpu" else None
         self._step = 0  # input dists started; every rank sends it in the header and checks the others'
 
     # -- phase 1 ---------------------------------------------------------------------------------
@@ -270,10 +276,18 @@ class InputDist:
             header[:, 0] = _BAD_INPUT
             header[:, _STEP] = step
             header[:, _SKIPPED] = owed
-            recv = self.comm.all_to_all(
-                header.flatten(), [self.header_size] * world, [self.header_size] * world, "input dist header"
-            )
-            rows = recv.view(world, self.header_size)[:, [0, _STEP, _SKIPPED]].tolist()
+            if self._payload_caps is not None:  # the peers send their payload with the header
+                recv_hdr, _ = self._exchange_with_payload(header, [[] for _ in range(world)])
+                self._grow_caps([0] * world, recv_hdr.tolist())
+            else:
+                recv = self.comm.all_to_all(
+                    header.flatten(),
+                    [self.header_size] * world,
+                    [self.header_size] * world,
+                    "input dist header",
+                )
+                recv_hdr = recv.view(world, self.header_size)
+            rows = recv_hdr[:, [0, _STEP, _SKIPPED]].tolist()
             self._check_steps(step, [row[1] for row in rows], [row[2] for row in rows])
             self._raise_errors([row[0] for row in rows], str(local_error), local_error)
             raise AssertionError("unreachable")  # _raise_errors always raises when status is bad
@@ -299,23 +313,49 @@ class InputDist:
         header[:, _STEP] = step
         header[:, _SKIPPED] = owed
         header[:, _HEADER_FIXED:] = counts
-        recv = self.comm.all_to_all(
-            header.flatten(), [self.header_size] * world, [self.header_size] * world, "input dist header"
-        )
-        recv_rows = recv.view(world, self.header_size)
         my_slots = self.slot_counts[self.rank]
+        send_len_sizes = [self.slot_counts[d] * batch for d in range(world)]
+        caps = self._payload_caps
+        if caps is not None:
+            # CPU: the lengths and ids ride with the header, in one all-to-all (reading the counts here is
+            # no device sync). Each (sender, receiver) pair has a capacity both ends know; a payload that
+            # does not fit goes in a second all-to-all, which every rank makes when any rank flags one.
+            sent_now = counts.sum(1).tolist()
+            payload = [send_len_sizes[d] + sent_now[d] for d in range(world)]
+            fits = [payload[d] <= caps.send[d] for d in range(world)]
+            pieces: list[list[Tensor]] = [[] for _ in range(world)]
+            if int(status) != _OK:  # bad input: no payload (the counts may not match the ids); all raise
+                fits = [True] * world
+            else:
+                send_len = torch.split(buckets.send_lengths, send_len_sizes)
+                send_ids = torch.split(send_values, sent_now)
+                pieces = [[send_len[d], send_ids[d]] if fits[d] else [] for d in range(world)]
+            header[:, _OVERFLOW] = int(not all(fits))
+            recv_rows, recv_parts = self._exchange_with_payload(header, pieces)
+        else:
+            header[:, _OVERFLOW] = 0
+            recv = self.comm.all_to_all(
+                header.flatten(), [self.header_size] * world, [self.header_size] * world, "input dist header"
+            )
+            recv_rows = recv.view(world, self.header_size)
         received_counts = recv_rows[:, _HEADER_FIXED : _HEADER_FIXED + my_slots]
         num_features = len(self.layout.features)
         ids_per_feature_dev = torch.zeros(num_features + 1, dtype=torch.int64, device=dev).index_add_(
             0, self._seg_feature, counts.reshape(-1)
         )[:num_features]
         # The only host sync of the step: what we send, what we receive, and two sums derived from them.
-        flat = torch.cat([header.flatten(), recv, received_counts.sum(0), ids_per_feature_dev]).tolist()
+        flat = torch.cat(
+            [header.flatten(), recv_rows.reshape(-1), received_counts.sum(0), ids_per_feature_dev]
+        ).tolist()
         size = world * self.header_size
         mine = [flat[d * self.header_size : (d + 1) * self.header_size] for d in range(world)]
         theirs = [flat[size + d * self.header_size : size + (d + 1) * self.header_size] for d in range(world)]
         ids_per_slot = tuple(flat[2 * size : 2 * size + my_slots])
         ids_per_feature = tuple(flat[2 * size + my_slots :])
+        if caps is not None:
+            recv_payload = [my_slots * row[1] + row[4] for row in theirs]
+            included = [recv_payload[s] <= caps.recv[s] for s in range(world)]
+            self._grow_caps(payload, theirs)  # before any error is raised: every rank keeps in step
         self._check_steps(step, [row[_STEP] for row in theirs], [row[_SKIPPED] for row in theirs])
         statuses = [row[0] for row in theirs]
         if any(statuses):
@@ -344,21 +384,40 @@ class InputDist:
             ids_per_feature=ids_per_feature,
             sent_counts=counts.reshape(-1),
         )
-        # Lengths and ids in ONE all-to-all (every split is known from the header): per peer rank, its
-        # lengths [slot, sample] then its ids, both int64.
         sent_ids = [row[4] for row in mine]
         received_ids = [row[4] for row in theirs]
-        send_len_sizes = [self.slot_counts[d] * batch for d in range(world)]
         recv_len_sizes = [my_slots * b for b in batch_per_rank]
-        send_len = torch.split(buckets.send_lengths, send_len_sizes)
-        send_ids = torch.split(send_values, sent_ids)
-        merged = torch.cat([part for d in range(world) for part in (send_len[d], send_ids[d])])
-        merged_sizes = tuple(size for d in range(world) for size in (recv_len_sizes[d], received_ids[d]))
-        merged_out, merged_work = self.comm.start_all_to_all(
-            merged,
-            [recv_len_sizes[d] + received_ids[d] for d in range(world)],
-            [send_len_sizes[d] + sent_ids[d] for d in range(world)],
-        )
+        values_out: Tensor | None = None
+        if caps is not None:
+            if any(row[_OVERFLOW] for row in theirs):  # every rank sees every flag: all of them make it
+                late_sizes = [0 if included[src] else recv_payload[src] for src in range(world)]
+                late_send = [t for d in range(world) if not fits[d] for t in (send_len[d], send_ids[d])]
+                late = self.comm.all_to_all(
+                    torch.cat(late_send) if late_send else values.new_zeros(0),
+                    late_sizes,
+                    [0 if fits[d] else payload[d] for d in range(world)],
+                    "input dist lengths and ids",
+                )
+                late_parts = torch.split(late, late_sizes)
+            blocks = [
+                recv_parts[s][: recv_payload[s]] if included[s] else late_parts[s] for s in range(world)
+            ]
+            pairs = [torch.split(blocks[s], [recv_len_sizes[s], received_ids[s]]) for s in range(world)]
+            merged_out, merged_work = torch.cat([pair[0] for pair in pairs]), _DONE
+            values_out = torch.cat([pair[1] for pair in pairs])
+            merged_sizes: tuple[int, ...] = ()
+        else:
+            # Lengths and ids in ONE all-to-all (every split is known from the header): per peer rank,
+            # its lengths [slot, sample] then its ids, both int64.
+            send_len = torch.split(buckets.send_lengths, send_len_sizes)
+            send_ids = torch.split(send_values, sent_ids)
+            merged = torch.cat([part for d in range(world) for part in (send_len[d], send_ids[d])])
+            merged_sizes = tuple(size for d in range(world) for size in (recv_len_sizes[d], received_ids[d]))
+            merged_out, merged_work = self.comm.start_all_to_all(
+                merged,
+                [recv_len_sizes[d] + received_ids[d] for d in range(world)],
+                [send_len_sizes[d] + sent_ids[d] for d in range(world)],
+            )
         return InputDistHandle(
             lengths_out=merged_out,
             lengths_work=merged_work,
@@ -375,7 +434,45 @@ class InputDist:
             batch_size_per_rank=batch_per_rank,
             source=source,
             merged_sizes=merged_sizes,
+            values_out=values_out,
         )
+
+    def _exchange_with_payload(
+        self, header: Tensor, pieces: list[list[Tensor]]
+    ) -> tuple[Tensor, list[Tensor]]:
+        """One all-to-all of ``[header | payload pieces | padding]`` per peer, each ``H + capacity`` long.
+
+        Returns the ``[W, H]`` received headers and, per source rank, the ``capacity`` elements after its
+        header (its payload, if it fit, then padding).
+        """
+        caps = self._payload_caps
+        assert caps is not None  # CPU only
+        h = self.header_size
+        parts: list[Tensor] = []
+        for d in range(self.world):
+            parts.append(header[d])
+            used = sum(t.numel() for t in pieces[d])
+            parts.extend(pieces[d])
+            parts.append(caps.padding(caps.send[d] - used))
+        out_splits = [h + c for c in caps.recv]
+        recv = self.comm.all_to_all(
+            torch.cat(parts), out_splits, [h + c for c in caps.send], "input dist header and ids"
+        )
+        per_source = torch.split(recv, out_splits)
+        return torch.stack([p[:h] for p in per_source]), [p[h:] for p in per_source]
+
+    def _grow_caps(self, payload: list[int], theirs: list[list[int]]) -> None:
+        """Grow each pair's capacity past a payload that did not fit, the same way at both ends."""
+        caps = self._payload_caps
+        assert caps is not None  # CPU only
+        my_slots = self.slot_counts[self.rank]
+        for d in range(self.world):
+            if payload[d] > caps.send[d]:
+                caps.send[d] = _capacity(payload[d])
+        for s, row in enumerate(theirs):
+            size = my_slots * row[1] + row[4]
+            if size > caps.recv[s]:
+                caps.recv[s] = _capacity(size)
 
     def _buckets_by_shard(
         self, key_index: Tensor, values: Tensor, lengths: Tensor, weights: Tensor | None, batch: int
@@ -512,7 +609,9 @@ class InputDist:
             self._finish_alone(handle)  # raises for bad input, the handle kept for another try
         handle.done = True
         comm = self.comm
-        if handle.merged_sizes:  # lengths and ids came in one all-to-all, launched by start()
+        if handle.values_out is not None:  # the ids came with the header (CPU)
+            values_out, values_work = handle.values_out, None
+        elif handle.merged_sizes:  # lengths and ids came in one all-to-all, launched by start()
             values_out, values_work = self._split_merged(handle), None
         else:
             values_out, values_work = comm.start_all_to_all(
@@ -977,6 +1076,28 @@ class _TableWiseLayout:
     compact_of_key: Tensor
     segment_of_compact: Tensor
     segment_of_key: Tensor
+
+
+class _PayloadCaps:
+    """Per peer rank, the payload capacity (int64 elements after the header) of the input dist's one
+    all-to-all, in each direction. Both ends of a pair grow it from the same header values, so they agree
+    without a collective of their own."""
+
+    def __init__(self, world: int) -> None:
+        self.send = [0] * world
+        self.recv = [0] * world
+        self._zeros = torch.zeros(0, dtype=torch.int64)
+
+    def padding(self, size: int) -> Tensor:
+        """``size`` int64 zeros (a view of one buffer kept for this)."""
+        if size > self._zeros.numel():
+            self._zeros = torch.zeros(_capacity(size), dtype=torch.int64)
+        return self._zeros[:size]
+
+
+def _capacity(size: int) -> int:
+    """A capacity for ``size`` elements: a quarter more, rounded up to 256 (batch sizes and ids vary)."""
+    return (size + size // 4 + 255) // 256 * 256
 
 
 def _status(bad_lengths: Tensor, bad_ids: Tensor) -> Tensor:
