@@ -8,10 +8,11 @@ key-value table) and looks them up together with :class:`~vbe_lookup.GroupedVBEL
 One step (every rank runs the same calls, in the same order):
 
 1. ``start_input_dist(features)`` (local batch ``B`` samples, may be 0): bucketize every id to the rank
-   holding its row, exchange a small header (batch sizes, ids per feature, errors) and launch the lengths
-   all-to-all.
-2. ``wait_input_dist(handle)``: ids and weights all-to-all → :class:`DistributedFeatures` (a VBE batch:
-   each owned feature has a batch from every source rank).
+   holding its row (table-wise: by key, without a sort), exchange a small header (batch sizes, ids per
+   feature, errors) and the lengths and ids: on CPU in the header's own all-to-all (within a capacity
+   per pair of ranks; a larger payload takes a second one), on CUDA in one more, launched here.
+2. ``wait_input_dist(handle)``: the weights' all-to-all (if any) and the reorder → :class:`DistributedFeatures`
+   (a VBE batch: each owned feature has a batch from every source rank).
 3. ``forward``: the lookup writes one 1-D output (source → group → feature → sample → dim), the output
    all-to-all returns every source its block, and the source assembles :class:`PooledEmbeddings`
    ``[B, sum(dims)]`` (row-wise partial sums added, mean applied) or, for
@@ -342,7 +343,8 @@ class _ShardedModule(nn.Module):
     def start_input_dist(self, features: Any) -> InputDistHandle:
         """Start distributing this rank's local batch (``KeyedJaggedTensorLike``, ``[[B]] * F`` strides).
 
-        Exchanges the header (host sync) and launches the lengths all-to-all. Any bad input on any rank
+        Exchanges the header (host sync) with the lengths and ids (CPU) or launches their all-to-all
+        (CUDA). Any bad input on any rank
         (unknown or missing features, ids out of range, inconsistent lengths) raises on every rank:
         the offending rank gets the specific error, the others :class:`PeerRankError`. On a group of one
         rank nothing is exchanged: the checks run on the device and their host read (the step's one
@@ -352,7 +354,7 @@ class _ShardedModule(nn.Module):
         return self._input_dist.start(features)
 
     def wait_input_dist(self, handle: InputDistHandle) -> DistributedFeatures:
-        """Finish the input dist: ids and weights all-to-all; returns this rank's VBE features."""
+        """Finish the input dist: ids (CUDA) and weights all-to-all; returns this rank's VBE features."""
         return self._input_dist.wait(handle, _anchor(self.device))
 
     def enqueue_pipelined_input(self, dist_features: DistributedFeatures) -> None:
