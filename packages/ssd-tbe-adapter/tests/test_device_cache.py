@@ -330,6 +330,19 @@ def test_device_cache_optimizers_pooling_precision(optimizer: str, pooling: str,
     )
 
 
+def test_steady_moves_from_the_dram_tier_match_the_reference() -> None:
+    """With the DRAM tier holding every row, most assignments move their misses in without host work (padded
+    to a bucket size, one graph replay on CUDA), and the results stay the reference's."""
+    module = check_against_both(
+        "cpu", {"cache_rows": 2, "host_cache_rows": 64}, ahead=0, layout="vbe", steps=16
+    )
+    metrics = module.metrics()
+    assert metrics["hbm_steady_assigns"] >= 4, metrics["hbm_steady_assigns"]
+    assert (
+        metrics["hbm_steady_assigns"] < metrics["hbm_assigns_with_misses"]
+    )  # the first touches read the store
+
+
 def test_dram_tier_keeps_evicted_rows_out_of_the_store() -> None:
     """Rows leaving the device cache go to the DRAM tier while it has room (no store write until flush); a
     DRAM tier too small pushes dirty rows down to the store."""
@@ -1232,6 +1245,7 @@ def test_cuda_prefetch_over_a_dram_tier_with_room_syncs_once() -> None:
     assert metrics["host_tier_hits"] > 0
     assert metrics["hbm_evicted_rows"] > 0
     assert metrics["hbm_survey_graph_replays"] >= len(counts)
+    assert metrics["hbm_steady_assigns"] > 0
     assert max(counts) == 1, counts
     module.close()
 

@@ -78,7 +78,9 @@ class Survey:
     inverse: torch.Tensor  # position of each lookup's pair
     slots: torch.Tensor  # each pair's slot here, -1 if not cached
     touched: torch.Tensor  # each hit's slot, the trash slot elsewhere
-    chosen: torch.Tensor  # a slot in its table's region for each miss, -1 where none
+    priority: torch.Tensor  # [C]: victim priority of the tables' region slots (see DeviceCache._priorities)
+    in_region: torch.Tensor  # the misses that get a slot in their table's region
+    region_position: torch.Tensor  # where in the region's slots (ordered by table, then priority)
     overflowing: torch.Tensor  # the misses left for the scratch pool
     at: torch.Tensor  # [N + 1]: positions of the misses among the pairs, ascending, zeros after them
     below: torch.Tensor | None  # each miss's slot in the DRAM tier (-1: absent), None without one
@@ -110,6 +112,7 @@ class DeviceCacheMetrics:
     bytes_to_device: int = 0
     assigns: int = 0
     assigns_with_misses: int = 0
+    steady_assigns: int = 0  # of which every miss came from the DRAM tier with no host work (see _steady)
 
 
 def _unique_pairs(
@@ -205,6 +208,7 @@ class DeviceCache:
         self._staging = StagingBuffers(device)
         self._generation = 0  # bumped when the slot buffers are reallocated (the survey graphs read them)
         self._surveys: GraphedCalls[Survey] = GraphedCalls(device, self._survey)
+        self._moves: GraphedCalls[torch.Tensor] = GraphedCalls(device, self._move_steady)
         self._allocate(self.region_size, keep=False)
 
     # ------------------------------------------------------------------ state
@@ -253,6 +257,7 @@ class DeviceCache:
         self._index = SlotIndex(self.valid, self.slot_tables, self.slot_ids)
         self._generation += 1
         self._surveys.clear()
+        self._moves.clear()
 
     def cached_rows(self) -> int:
         """Rows held now (host sync: metrics only)."""
@@ -325,14 +330,7 @@ class DeviceCache:
             torch.cuda.current_stream(self.device).synchronize()
         values = [int(c) for c in host_read[0].tolist()]
         u_tables, u_ids, counts, inverse = survey.tables, survey.ids, survey.counts, survey.inverse[:n]
-        slots, touched, chosen, overflowing, at = (
-            survey.slots,
-            survey.touched,
-            survey.chosen,
-            survey.overflowing,
-            survey.at,
-        )
-        below = survey.below
+        slots, touched = survey.slots, survey.touched
         u, m, overflow, free = values[:4]
         if verify is not None:
             verify(values[6:])
@@ -341,34 +339,46 @@ class DeviceCache:
         self.uses.index_copy_(0, touched, self.uses.index_select(0, touched) + counts)
         if m:
             self.metrics.assigns_with_misses += 1
-            if overflow:
-                chosen = self._overflow(chosen, overflowing, overflow, free, protect, before_rows)
-            at = at[:m]
-            new_slots = chosen.index_select(0, at)
-            if dram is not None:
-                assert below is not None
-                self._move_in_from_dram(
-                    dram,
-                    new_slots,
-                    u_tables.index_select(0, at),
-                    u_ids.index_select(0, at),
-                    below.index_select(0, at),
-                    host_missing[:m],
-                    found=values[4],
-                    dram_free=values[5],
-                    tick=tick,
-                    before_rows=before_rows,
-                )
+            found, dram_free = values[4], values[5]
+            if dram is not None and self._steady(key, dram, m, overflow, found, dram_free):
+                if before_rows is not None:
+                    before_rows()  # victims' rows and dirty flags below; writes into the slots after
+                slots = self._steady_moves(key, survey, m, tick)
+                self.metrics.steady_assigns += 1
             else:
-                self._move_in(
-                    new_slots,
-                    u_tables.index_select(0, at),
-                    u_ids.index_select(0, at),
-                    host_missing[:m],
-                    tick,
-                    before_rows,
-                )
-            slots = slots.index_copy(0, at, new_slots)
+                chosen = self._chosen(survey.priority, survey.in_region, survey.region_position)
+                if overflow:
+                    chosen = self._overflow(chosen, survey.overflowing, overflow, free, protect, before_rows)
+                at = survey.at[:m]
+                new_slots = chosen.index_select(0, at)
+                if dram is not None:
+                    assert survey.below is not None
+                    self._move_in_from_dram(
+                        dram,
+                        new_slots,
+                        u_tables.index_select(0, at),
+                        u_ids.index_select(0, at),
+                        survey.below.index_select(0, at),
+                        host_missing[:m],
+                        found=found,
+                        dram_free=dram_free,
+                        tick=tick,
+                        before_rows=before_rows,
+                    )
+                else:
+                    self._move_in(
+                        new_slots,
+                        u_tables.index_select(0, at),
+                        u_ids.index_select(0, at),
+                        host_missing[:m],
+                        tick,
+                        before_rows,
+                    )
+                slots = slots.index_copy(0, at, new_slots)
+            if dram is not None:
+                dram.count_taken(asked=m, found=found)
+            self.metrics.inserted_rows += m
+            self.metrics.bytes_to_device += m * (self.dmax + 2) * 4
         unique_slots = slots[:u].clone()  # the survey's tensors are the graph's: rewritten by its next replay
         self.metrics.lookups += u
         self.metrics.hits += u - m
@@ -407,7 +417,9 @@ class DeviceCache:
         # are protected from the victim choice by a mask, and stamped and counted only after the read.
         touched = torch.where(hit & real, slots, self.trash)  # unique slots; the trash slot takes the rest
         held = torch.zeros_like(self.valid).index_fill_(0, touched, True)
-        chosen, overflowing, scratch_free = self._choose(u_tables, miss, protect, held)
+        priority, in_region, region_position, overflowing, scratch_free = self._choice(
+            u_tables, miss, protect, held
+        )
         # Positions of the misses among the pairs (ascending) at the front of `at` (zeros after them), and
         # their keys copied to the host ahead of the counts' read (which waits for it: same stream), so the
         # tiers below can be asked before anything waits for the forward/backward stream.
@@ -437,7 +449,9 @@ class DeviceCache:
             inverse=inverse,
             slots=slots,
             touched=touched,
-            chosen=chosen,
+            priority=priority,
+            in_region=in_region,
+            region_position=region_position,
             overflowing=overflowing,
             at=at,
             below=below,
@@ -457,15 +471,17 @@ class DeviceCache:
             protected, _NEVER, torch.where(self.valid[start:stop], key, torch.full_like(stamp, -1))
         )
 
-    def _choose(
+    def _choice(
         self, tables: torch.Tensor, miss: torch.Tensor, protect: torch.Tensor, held: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Slots in the tables' own regions for the missing pairs (``miss``; ``tables`` ascending), no sync;
-        slots marked in ``held`` (the batch's hits, not stamped yet) are protected too.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """How many of the missing pairs (``miss``; ``tables`` ascending) get slots in their tables' own
+        regions, without ordering any slot (no sort: cheap when nothing misses), no sync; slots marked in
+        ``held`` (the batch's hits, not stamped yet) are protected too.
 
         Returns:
-            ``chosen`` (``[N]``, -1 where none), the misses left for the scratch pool, and the number of
-            scratch slots that are not protected (0-dim).
+            ``priority`` of the region's slots, ``in_region`` (the misses that get a region slot), their
+            ``region_position`` (in the region's slots ordered by table then priority), the misses left for
+            the scratch pool, and the number of scratch slots that are not protected (0-dim).
         """
         n = tables.numel()
         device = self.device
@@ -476,25 +492,91 @@ class DeviceCache:
         misses_before = before.index_select(0, first_of_table)
         misses_per_table = misses_before[1:] - misses_before[:-1]
         region = self.region_size
+        priority = self._priorities(0, region, protect, held)
         if region:
-            priority = self._priorities(0, region, protect, held)
-            order = torch.argsort(priority, stable=True)  # then region by region, keeping that order
-            order = order.index_select(
-                0, torch.argsort(self.region_of_slot.index_select(0, order), stable=True)
-            )
             choosable = torch.zeros(self.num_tables, dtype=torch.int64, device=device).index_add_(
                 0, self.region_of_slot, (priority < _NEVER).to(torch.int64)
             )
             take = torch.minimum(misses_per_table, choosable)
         else:
-            order = torch.zeros(1, dtype=torch.int64, device=device)
             take = torch.zeros_like(misses_per_table)
         rank = before[:-1] - misses_before.index_select(0, tables)  # of each miss within its table
         in_region = miss & (rank < take.index_select(0, tables))
         region_position = (self.bases_device.index_select(0, tables) + rank).clamp_(0, max(region - 1, 0))
-        chosen = torch.where(in_region, order.index_select(0, region_position), -1)
         scratch_free = (self._priorities(region, self.slots, protect, held) < _NEVER).sum()
-        return chosen, miss & ~in_region, scratch_free
+        return priority, in_region, region_position, miss & ~in_region, scratch_free
+
+    def _chosen(
+        self, priority: torch.Tensor, in_region: torch.Tensor, region_position: torch.Tensor
+    ) -> torch.Tensor:
+        """The region slot of each miss the survey placed there (``[N]``, -1 elsewhere; see :meth:`_choice`):
+        the region's slots in priority order (lowest first), table by table. No sync."""
+        if not self.region_size:
+            return torch.full_like(in_region, -1, dtype=torch.int64)
+        order = torch.argsort(priority, stable=True)  # then region by region, keeping that order
+        order = order.index_select(0, torch.argsort(self.region_of_slot.index_select(0, order), stable=True))
+        return torch.where(in_region, order.index_select(0, region_position), -1)
+
+    def _steady(
+        self, key: tuple[int, ...], dram: DramTier, m: int, overflow: int, found: int, free: int
+    ) -> bool:
+        """Whether an assignment's ``m`` misses need nothing of the host: every one in the DRAM tier, room there
+        for the victims, no scratch growth, and (on CUDA) its survey replayed from a graph: the move's graph
+        reads the survey's tensors, which must be the same at every call (elsewhere both run eagerly)."""
+        room = min(m, dram.capacity) - free - found <= 0
+        fixed = self.device.type != "cuda" or self._surveys.captured(key)
+        return not overflow and found == m and m <= dram.capacity and room and fixed
+
+    def _steady_moves(self, key: tuple[int, ...], survey: Survey, m: int, tick: int) -> torch.Tensor:
+        """The ``m`` misses of a steady assignment (see :meth:`_steady`) moved in from the DRAM tier as one
+        CUDA graph replay per (survey, padded ``m``) (the first call eager): the survey's slots with them."""
+        padded = _bucket(m)
+        scalars = self._staging.get("move_scalars", 1, 2, torch.int64)
+        scalars.numpy()[0] = (m, tick)
+        fixed = (
+            survey.tables,
+            survey.ids,
+            survey.at,
+            survey.below,
+            survey.priority,
+            survey.in_region,
+            survey.region_position,
+            survey.slots,
+        )
+        moving = self._staging.copy_up("move_scalars", scalars, self.device)
+        return self._moves((*key, padded), [moving], fixed=(padded, *fixed))
+
+    def _move_steady(
+        self,
+        scalars: torch.Tensor,
+        padded: int,
+        tables: torch.Tensor,
+        ids: torch.Tensor,
+        at: torch.Tensor,
+        below: torch.Tensor | None,
+        priority: torch.Tensor,
+        in_region: torch.Tensor,
+        region_position: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`_steady_moves`'s work over the misses padded to ``padded`` (the padding moves nothing: its
+        slot is the trash slot, its DRAM slot -1). ``scalars``: ``[1, 2]`` int64, the misses and the tick.
+        Device work only: capturable."""
+        dram = self.lower
+        assert isinstance(dram, DramTier)
+        assert below is not None
+        n = slots.numel()
+        count, tick = scalars[0, 0], scalars[0, 1]
+        chosen = self._chosen(priority, in_region, region_position)
+        at = at[:padded]
+        live = torch.arange(padded, device=self.device) < count
+        new_slots = torch.where(live, chosen.index_select(0, at), self.trash)
+        new_tables = torch.where(live, tables.index_select(0, at), 0)
+        new_ids = torch.where(live, ids.index_select(0, at), 0)
+        moved = self._hand_down(dram, new_slots, torch.where(live, below.index_select(0, at), -1), None, 0)
+        self._fill_slots(new_slots, new_tables, new_ids, moved, tick)
+        out = torch.cat([slots, slots[:1]]).index_copy_(0, torch.where(live, at, n), new_slots)
+        return out[:n]
 
     def _overflow(
         self,
@@ -594,7 +676,6 @@ class DeviceCache:
             if self._evicted_since_aging >= self.aging_turnovers * max(self.slots, 1):
                 self.uses.bitwise_right_shift_(1)  # old popularity fades
                 self._evicted_since_aging = 0
-        self.metrics.bytes_to_device += m * (dmax + 2) * 4
         self._fill_slots(slots, tables, ids, moved, tick)
 
     def _move_in_from_dram(
@@ -620,25 +701,37 @@ class DeviceCache:
         host steps in only for rows the tier lacks (a store read) and for room when it is full (one wait, store
         writes), both before anything changes, so a failing store call changes no tier.
         """
-        m, dmax = ids.numel(), self.dmax
+        m = ids.numel()
         read = dram.read_below(host_keys, m - found)  # store reads (host): may raise, nothing changed
         dram.make_room(min(m, dram.capacity) - dram_free - found, below)  # when full: store writes, may raise
         if before_rows is not None:
             before_rows()  # victims' rows and dirty flags below; writes into the slots after
+        moved = self._hand_down(dram, slots, below, read, max(m - dram.capacity, 0))
+        self._fill_slots(slots, tables, ids, moved, tick)
+
+    def _hand_down(
+        self,
+        dram: DramTier,
+        slots: torch.Tensor,
+        below: torch.Tensor,
+        read: tuple[torch.Tensor, torch.Tensor] | None,
+        spill: int,
+    ) -> torch.Tensor:
+        """The rows for ``slots`` (``[M]``) from the DRAM tier (``below``: their slots there) and ``read`` (the
+        store's), as ``[M, D_max + 2]``; the slots' victims kept there (the first ``spill`` ones to the store:
+        more victims than the tier holds). Counted on the device; no sync unless ``spill``."""
         occupied = self.valid.index_select(0, slots)
         dirty = self.dirty.index_select(0, slots)
         evicted = occupied.sum()
         written = (occupied & dirty).sum()
         victim_tables = self.slot_tables.index_select(0, slots)
         victim_ids = self.slot_ids.index_select(0, slots)
-        if (
-            m > dram.capacity
-        ):  # more victims than the tier holds (a tiny tier): the first ones go to the store
-            occupied = self._spill(dram, slots, occupied, dirty, m - dram.capacity)
+        if spill > 0:
+            occupied = self._spill(dram, slots, occupied, dirty, spill)
         victims = torch.cat(
             [self.weights.index_select(0, slots), self.state.index_select(0, slots)[:, None]], 1
         )
-        moved = torch.empty(m, dmax + 2, dtype=torch.float32, device=self.device)
+        moved = torch.empty(slots.numel(), self.dmax + 2, dtype=torch.float32, device=self.device)
         dram.take_up(below, read, moved)
         dram.keep(victim_tables, victim_ids, victims, dirty, occupied)
         # Counted on the device (no sync): evicted, written back, evicted since the use counts were halved.
@@ -646,8 +739,7 @@ class DeviceCache:
         aged = self._moved_down[2] >= self.aging_turnovers * max(self.slots, 1)
         self.uses.bitwise_right_shift_(aged.to(torch.int64))  # old popularity fades
         self._moved_down[2:].mul_((~aged).to(torch.int64))
-        self.metrics.bytes_to_device += m * (dmax + 2) * 4
-        self._fill_slots(slots, tables, ids, moved, tick)
+        return moved
 
     def _spill(
         self, dram: DramTier, slots: torch.Tensor, occupied: torch.Tensor, dirty: torch.Tensor, count: int
@@ -685,11 +777,17 @@ class DeviceCache:
         return occupied.index_fill(0, torch.from_numpy(out).to(self.device), False)
 
     def _fill_slots(
-        self, slots: torch.Tensor, tables: torch.Tensor, ids: torch.Tensor, moved: torch.Tensor, tick: int
+        self,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        ids: torch.Tensor,
+        moved: torch.Tensor,
+        tick: int | torch.Tensor,
     ) -> None:
         """Write the rows ``moved`` (``[M, D_max + 2]``: weights, state, dirty) of ``(tables, ids)`` into ``slots``,
-        stamped at ``tick``, and rebuild the index."""
-        m, dmax = ids.numel(), self.dmax
+        stamped at ``tick``, and rebuild the index. ``slots`` may repeat the trash slot (padding): it stays
+        invalid and clean (so neither the index nor a flush ever sees it)."""
+        dmax = self.dmax
         self.weights.index_copy_(0, slots, moved[:, :dmax])
         self.state.index_copy_(0, slots, moved[:, dmax])
         self.dirty.index_copy_(0, slots, moved[:, dmax + 1] != 0)
@@ -698,9 +796,10 @@ class DeviceCache:
         self.valid.index_fill_(0, slots, True)
         self.stamp.index_fill_(0, slots, tick)
         self.uses.index_fill_(0, slots, 1)
+        self.valid[self.trash :].zero_()  # slice fills: no host copy
+        self.dirty[self.trash :].zero_()
         self._index.set_keys(slots, tables, ids)
         self._index.rebuild(self.valid)
-        self.metrics.inserted_rows += m
 
     def update(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """Apply ``optimizer`` to the rows in ``slots`` (``[U]`` unique, device) with their summed gradients
@@ -774,6 +873,7 @@ class DeviceCache:
         out["hbm_scratch_slots"] = float(self.slots - self.region_size)
         out["hbm_survey_graph_replays"] = float(self._surveys.replays)
         out["hbm_survey_graph_captures"] = float(self._surveys.captures)
+        out["hbm_move_graph_replays"] = float(self._moves.replays)
         out["hbm_cached_rows"] = float(self.cached_rows())
         out.update(self.lower.summary())
         return out

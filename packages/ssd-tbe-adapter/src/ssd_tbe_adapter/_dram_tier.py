@@ -62,7 +62,9 @@ class DramTier:
         self.dirty = torch.zeros(slots, dtype=torch.bool, device=device)
         self.stamp = torch.zeros(slots, dtype=torch.int64, device=device)  # the keep (clock) that brought it
         self._slot_numbers = torch.arange(capacity, device=device)
-        self._clock = 0
+        self._clock = torch.zeros(
+            (), dtype=torch.int64, device=device
+        )  # counts keeps (on the device: graphs)
         self._index = SlotIndex(self.valid, self.slot_tables, self.slot_ids)
         self._staging = StagingBuffers(device)
         self._kept = torch.zeros((), dtype=torch.int64, device=device)  # rows kept since the last fold
@@ -159,12 +161,13 @@ class DramTier:
         gone = torch.where(found, slots, self.trash)
         self.valid.index_fill_(0, gone, False)
         self.dirty.index_fill_(0, gone, False)
-        m = slots.numel()
-        asked_below = 0 if below is None else below[0].numel()
-        self.metrics.lookups += m
-        self.metrics.hits += m - asked_below
-        self.metrics.rows_out += m - asked_below
-        self.metrics.bytes_out += (m - asked_below) * self.width * 4
+
+    def count_taken(self, *, asked: int, found: int) -> None:
+        """Count a take: ``asked`` rows, ``found`` of them here (host counts: :meth:`take_up` may be replayed)."""
+        self.metrics.lookups += asked
+        self.metrics.hits += found
+        self.metrics.rows_out += found
+        self.metrics.bytes_out += found * self.width * 4
 
     def keep(
         self,
@@ -187,7 +190,7 @@ class DramTier:
         order = (torch.cumsum(occupied, 0) - 1).clamp_(min=0)
         target = torch.where(occupied, free_list.index_select(0, order), self.trash)
         scatter_rows(rows, target, self.rows)
-        self._clock += 1
+        self._clock += 1  # in place: a graph replaying this reads and bumps the same tensor
         self.slot_tables.index_copy_(0, target, tables)
         self.slot_ids.index_copy_(0, target, ids)
         self.valid.index_copy_(0, target, occupied)

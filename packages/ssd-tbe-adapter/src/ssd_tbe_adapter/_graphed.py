@@ -46,9 +46,7 @@ class GraphedCalls(Generic[T]):
         self.replays = 0
         self.captures = 0
 
-    def __call__(
-        self, key: Hashable, inputs: Sequence[torch.Tensor], *, fixed: Sequence[torch.Tensor] = ()
-    ) -> T:
+    def __call__(self, key: Hashable, inputs: Sequence[torch.Tensor], *, fixed: Sequence[Any] = ()) -> T:
         """``fn(*inputs, *fixed)``: replayed when ``key`` was captured, captured at its second call.
 
         ``inputs`` are copied into the graph's static buffers; ``fixed`` (e.g. pinned host buffers the graph
@@ -69,14 +67,16 @@ class GraphedCalls(Generic[T]):
         self.replays += 1
         return entry.output
 
+    def captured(self, key: Hashable) -> bool:
+        """Whether ``key`` has a graph (its outputs are the same tensors at every call)."""
+        return key in self._entries
+
     def clear(self) -> None:
         """Drop every graph (the buffers they read were reallocated)."""
         self._entries.clear()
         self._seen.clear()
 
-    def _capture(
-        self, key: Hashable, inputs: Sequence[torch.Tensor], fixed: Sequence[torch.Tensor]
-    ) -> _Entry[T]:
+    def _capture(self, key: Hashable, inputs: Sequence[torch.Tensor], fixed: Sequence[Any]) -> _Entry[T]:
         static = [value.clone() for value in inputs]
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self._device)
