@@ -1245,9 +1245,21 @@ def test_cuda_prefetch_over_a_dram_tier_with_room_syncs_once() -> None:
     assert metrics["host_tier_hits"] > 0
     assert metrics["hbm_evicted_rows"] > 0
     assert metrics["hbm_survey_graph_replays"] >= len(counts)
-    assert metrics["hbm_steady_assigns"] > 0
     assert max(counts) == 1, counts
     module.close()
+
+
+@pytest.mark.gpu
+def test_cuda_steady_moves_replay_and_match_the_reference() -> None:
+    """On CUDA, assignments whose misses all come from the DRAM tier run as graph replays (survey and move) and
+    the results stay the reference's and the host path's."""
+    module = check_against_both(
+        "cuda", {"cache_rows": 2, "host_cache_rows": 64}, ahead=0, layout="vbe", steps=24
+    )
+    metrics = module.metrics()
+    assert metrics["hbm_steady_assigns"] >= 2, metrics["hbm_steady_assigns"]
+    assert metrics["hbm_survey_graph_replays"] > 0
+    assert metrics["hbm_move_graph_replays"] + metrics["hbm_steady_assigns"] >= 3
 
 
 @pytest.mark.gpu

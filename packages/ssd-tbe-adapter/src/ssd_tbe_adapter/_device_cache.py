@@ -794,7 +794,12 @@ class DeviceCache:
         self.slot_ids.index_copy_(0, slots, ids)
         self.slot_tables.index_copy_(0, slots, tables)
         self.valid.index_fill_(0, slots, True)
-        self.stamp.index_fill_(0, slots, tick)
+        if isinstance(
+            tick, torch.Tensor
+        ):  # index_fill_ would read a tensor value on the host (not capturable)
+            self.stamp.index_copy_(0, slots, tick.expand(slots.numel()))
+        else:
+            self.stamp.index_fill_(0, slots, tick)
         self.uses.index_fill_(0, slots, 1)
         self.valid[self.trash :].zero_()  # slice fills: no host copy
         self.dirty[self.trash :].zero_()

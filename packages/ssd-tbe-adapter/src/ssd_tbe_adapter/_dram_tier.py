@@ -195,7 +195,9 @@ class DramTier:
         self.slot_ids.index_copy_(0, target, ids)
         self.valid.index_copy_(0, target, occupied)
         self.dirty.index_copy_(0, target, dirty & occupied)
-        self.stamp.index_fill_(0, target, self._clock)
+        self.stamp.index_copy_(
+            0, target, self._clock.expand(m)
+        )  # not index_fill_: it reads the value on the host
         self._index.set_keys(target, tables, ids)
         self._index.rebuild(self.valid)
         self._kept += occupied.sum()

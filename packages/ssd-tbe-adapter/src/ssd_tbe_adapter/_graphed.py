@@ -9,6 +9,7 @@ captures; each graph has its own memory pool. Elsewhere than on CUDA every call 
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ class GraphedCalls(Generic[T]):
         self._limit = limit
         self._entries: OrderedDict[Hashable, _Entry[T]] = OrderedDict()
         self._seen: set[Hashable] = set()
+        self._uncapturable: set[Hashable] = set()
+        self._name = getattr(fn, "__qualname__", "graphed call")
         self.replays = 0
         self.captures = 0
 
@@ -58,7 +61,12 @@ class GraphedCalls(Generic[T]):
             if key not in self._seen:
                 self._seen.add(key)
                 return self._fn(*inputs, *fixed)
-            entry = self._capture(key, inputs, fixed)
+            if key in self._uncapturable:
+                return self._fn(*inputs, *fixed)
+            captured = self._capture(key, inputs, fixed)
+            if captured is None:
+                return self._fn(*inputs, *fixed)
+            entry = captured
         else:
             self._entries.move_to_end(key)
             for static, value in zip(entry.inputs, inputs, strict=True):
@@ -75,16 +83,25 @@ class GraphedCalls(Generic[T]):
         """Drop every graph (the buffers they read were reallocated)."""
         self._entries.clear()
         self._seen.clear()
+        self._uncapturable.clear()
 
-    def _capture(self, key: Hashable, inputs: Sequence[torch.Tensor], fixed: Sequence[Any]) -> _Entry[T]:
+    def _capture(
+        self, key: Hashable, inputs: Sequence[torch.Tensor], fixed: Sequence[Any]
+    ) -> _Entry[T] | None:
+        """A graph of ``fn`` for ``key`` (None, and ``key`` left eager, when the capture fails)."""
         static = [value.clone() for value in inputs]
         graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream(self._device)
         side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         side.wait_stream(current)
-        # thread_local: other threads (a DataLoader's pin-memory thread) may allocate while this one captures.
-        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-            output = self._fn(*static, *fixed)
+        try:
+            # thread_local: other threads (a DataLoader's pin-memory thread) may allocate while this one captures.
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                output = self._fn(*static, *fixed)
+        except RuntimeError as error:  # torch.AcceleratorError too: nothing captured ran, nothing changed
+            self._uncapturable.add(key)
+            warnings.warn(f"{self._name}: CUDA graph capture failed, running eagerly: {error}", stacklevel=3)
+            return None
         current.wait_stream(side)
         entry = _Entry(graph=graph, inputs=static, output=output)
         self._entries[key] = entry
