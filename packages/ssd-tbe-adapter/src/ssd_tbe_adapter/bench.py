@@ -110,6 +110,8 @@ class Case:
     pooling_factor: int
     zipf: float = 1.05
     cache_fraction: float = 0.1
+    host_fraction: float = 1.0  # rows of the DRAM rows' tier, as a fraction of all rows
+    prefill: bool = True  # write every row to the store first (else rows are created at first touch)
     warmup: int = 30
     steps: int = 30
 
@@ -121,6 +123,21 @@ class Case:
 
 CASES = [Case(tables=4, rows=200_000, dim=64, batch=1024, pooling_factor=16)]
 QUICK = [Case(tables=2, rows=20_000, dim=32, batch=256, pooling_factor=8, warmup=10, steps=10)]
+# Issue 19's large shape: 4 x 5M rows, HBM cache 1%, DRAM tier 10%; rows created at first touch (a prefill of
+# 20M rows would take minutes).
+LARGE = [
+    Case(
+        tables=4,
+        rows=5_000_000,
+        dim=64,
+        batch=1024,
+        pooling_factor=16,
+        cache_fraction=0.01,
+        host_fraction=0.1,
+        prefill=False,
+        warmup=60,
+    )
+]
 
 
 def _permutations(case: Case, rng: np.random.Generator) -> list[np.ndarray[Any, np.dtype[np.int64]]]:
@@ -236,10 +253,11 @@ def run_case(
             learning_rate=0.01,
             device=device,
             cache_on_device=name in DEVICE_ROWS,
-            host_cache_rows=case.tables * case.rows if "dram" in name else 0,
+            host_cache_rows=int(case.tables * case.rows * case.host_fraction) if "dram" in name else 0,
         )
-        _prefill(store, module, case)
-        if "dram" in name:
+        if case.prefill:
+            _prefill(store, module, case)
+        if "dram" in name and case.host_fraction >= 1:
             _fill_dram(module, case)
         modules[name] = module
         resident[name] = case.tables * cache_rows * (case.dim + 1) * 4
@@ -807,6 +825,9 @@ def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="small tables, few steps")
+    parser.add_argument(
+        "--large", action="store_true", help="4 x 5M rows, HBM cache 1%%, DRAM tier 10%% (no prefill)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=Path, help="write results as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG bar chart here")
@@ -834,7 +855,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    cases = QUICK if args.quick else CASES
+    cases = QUICK if args.quick else LARGE if args.large else CASES
     if args.steps:
         cases = [
             Case(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, "steps": args.steps}) for c in cases
