@@ -4,11 +4,14 @@ The owner's lookup output is 1-D, source rank → kernel group → feature → s
 block of every source rank is contiguous: one ``all_to_all_single`` with explicit splits returns every
 block to its source, and its backward sends the gradient blocks back to the owners (whose fused
 optimizers then update their rows). On the source, one cached-index ``index_add`` places pooled blocks
-into ``[B, sum(dims)]`` (adding the partial sums of row-wise shards); sequence blocks are gathered back
-into the original id order.
+into ``[B, sum(dims)]`` (adding the partial sums of row-wise shards); on CPU, when every feature has one
+owner (table-wise), that placement is a permutation: one gather forward and one gather backward (no zeroed
+output, no scatter-add). Sequence blocks are gathered back into the original id order.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -82,6 +85,12 @@ class PooledOutputDist(_OutputDistBase):
         self._col_feature = col_feature.to(comm.device)
         self._col_mean = torch.tensor(mean, dtype=torch.bool)[col_feature].to(comm.device)
         self._target_cache: dict[int, Tensor] = {}
+        # Every feature in one shard: each output element comes from one received element (a permutation).
+        # CPU only (a gather instead of a zeroed output and a scatter-add, measured there).
+        self._permutation = comm.device.type == "cpu" and all(
+            len(layout.shards[t]) == 1 for t in layout.feature_table
+        )
+        self._inverse_cache: dict[int, Tensor] = {}
         # Segments of the received buffer, one per (owner rank, slot) in receive order: first column in the
         # output and width. _target expands them for any batch size with a few device ops (no host loop).
         seg_col = [self.col_offset[slot.feature] for rl in layout.ranks for slot in rl.slots]
@@ -96,7 +105,12 @@ class PooledOutputDist(_OutputDistBase):
         in_splits = [b * self.dim_per_rank[self.rank] for b in dist.batch_size_per_rank]
         out_splits = [batch * self.dim_per_rank[d] for d in range(self.world)]
         recv = self._exchange(lookup_out, out_splits, in_splits, anchor, "pooled output dist")
-        out = recv.new_zeros(batch * self.total_dim).index_add(0, self._target(batch), recv)
+        out: Tensor
+        if self._permutation:
+            target, inverse = self._target(batch), self._inverse(batch)
+            out = _Permute.apply(recv, inverse, target)  # type: ignore[no-untyped-call]  # Function.apply is untyped
+        else:
+            out = recv.new_zeros(batch * self.total_dim).index_add(0, self._target(batch), recv)
         out = out.view(batch, self.total_dim)
         if self.has_mean and batch:
             src = dist.source
@@ -129,6 +143,32 @@ class PooledOutputDist(_OutputDistBase):
             cached = sample * self.total_dim + self._seg_col[segment] + (within - sample * dim)
             self._target_cache[batch] = cached
         return cached
+
+    def _inverse(self, batch: int) -> Tensor:
+        """Position in the received buffer of every element of ``[B, sum(dims)]`` (``_permutation`` only)."""
+        cached = self._inverse_cache.get(batch)
+        if cached is None:
+            if len(self._inverse_cache) >= _MAX_CACHE:
+                self._inverse_cache.clear()
+            target = self._target(batch)
+            cached = torch.empty_like(target)
+            cached[target] = torch.arange(target.numel(), device=target.device)
+            self._inverse_cache[batch] = cached
+        return cached
+
+
+class _Permute(torch.autograd.Function):
+    """``out = x[inverse]`` for a permutation (``inverse[target] = arange``); backward ``grad[target]``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, inverse: Tensor, target: Tensor) -> Tensor:
+        ctx.save_for_backward(target)
+        return x.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        (target,) = ctx.saved_tensors
+        return grad.index_select(0, target), None, None
 
 
 class SequenceOutputDist(_OutputDistBase):
