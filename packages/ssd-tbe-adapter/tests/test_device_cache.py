@@ -1144,21 +1144,20 @@ def test_cuda_prefetched_step_has_no_host_sync() -> None:
     module.close()
 
 
-@pytest.mark.gpu
-def test_cuda_prefetch_with_misses_syncs_at_most_twice() -> None:
-    """A prefetch that moves rows both ways (misses read from the DRAM tier and the store, victims handed down)
-    syncs with the host at most twice: the assignment's counts (the `offsets` checks and the missing keys ride on
-    them) and the wait for the victims (before: ~16, then 4-5 from element writes and the plan's `offsets` copy)."""
-    gen = torch.Generator().manual_seed(3)
-    module = make_module("cuda", on_device=True, cache_rows=3, host_cache_rows=40)
+def _cuda_prefetch_syncs(
+    module: KeyValueEmbeddingBags, seed: int
+) -> list[tuple[int, dict[str, float], dict[str, float]]]:
+    """Seven prefetch + forward + backward steps on CUDA (after two that make the survey's graph for this batch
+    size), ids from a range of 60 per table: per prefetch, its host syncs (sync debug mode) and the metrics
+    before and after its step."""
+    gen = torch.Generator().manual_seed(seed)
     bags = 16 * len(FTM)
     offsets = torch.arange(0, 2 * bags + 1, 2, dtype=torch.int64).cuda()
-    # Ids from a range of 60 per table: every batch misses, evicts and finds some rows in the DRAM tier.
     batches = [torch.randint(0, 60, (2 * bags,), generator=gen).cuda() for _ in range(9)]
     for indices in batches[:2]:  # the survey of this batch size runs eagerly once, then is captured
         module.prefetch(indices, offsets)
         module(indices, offsets).sum().backward()
-    counts = []
+    steps = []
     for indices in batches[2:]:
         torch.cuda.synchronize()
         before = module.metrics()
@@ -1170,12 +1169,24 @@ def test_cuda_prefetch_with_misses_syncs_at_most_twice() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         module(indices, offsets).sum().backward()
-        after = module.metrics()
+        syncs = sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+        steps.append((syncs, before, module.metrics()))
+    return steps
+
+
+@pytest.mark.gpu
+def test_cuda_prefetch_with_misses_syncs_at_most_twice() -> None:
+    """A prefetch that moves rows both ways (misses read from the DRAM tier and the store, victims handed down)
+    syncs with the host at most twice: the assignment's counts (the `offsets` checks and the missing keys ride on
+    them) and, when the DRAM tier must make room, the wait for its victims (before: ~16, then 4-5 from element
+    writes and the plan's `offsets` copy)."""
+    module = make_module("cuda", on_device=True, cache_rows=3, host_cache_rows=40)
+    steps = _cuda_prefetch_syncs(module, seed=3)
+    for _, before, after in steps:
         assert after["hbm_inserted_rows"] > before["hbm_inserted_rows"]
         assert after["hbm_evicted_rows"] > before["hbm_evicted_rows"]
-        counts.append(sum("called a synchronizing CUDA operation" in str(w.message) for w in caught))
     assert module.metrics()["host_tier_hits"] > 0
-    assert max(counts) <= 2, counts
+    assert max(syncs for syncs, _, _ in steps) <= 2, steps
     module.close()
 
 
@@ -1221,31 +1232,13 @@ def test_cuda_row_moves_match_torch_on_pinned_rows() -> None:
 def test_cuda_prefetch_over_a_dram_tier_with_room_syncs_once() -> None:
     """While the DRAM tier has room, a prefetch that moves rows both ways (misses found there or read from
     the store, victims kept there) syncs with the host once: its counts."""
-    gen = torch.Generator().manual_seed(4)
     module = make_module("cuda", on_device=True, cache_rows=3, host_cache_rows=400)
-    bags = 16 * len(FTM)
-    offsets = torch.arange(0, 2 * bags + 1, 2, dtype=torch.int64).cuda()
-    batches = [torch.randint(0, 60, (2 * bags,), generator=gen).cuda() for _ in range(9)]
-    for indices in batches[:2]:  # the survey of this batch size runs eagerly once, then is captured
-        module.prefetch(indices, offsets)
-        module(indices, offsets).sum().backward()
-    counts = []
-    for indices in batches[2:]:
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                module.prefetch(indices, offsets)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        module(indices, offsets).sum().backward()
-        counts.append(sum("called a synchronizing CUDA operation" in str(w.message) for w in caught))
+    steps = _cuda_prefetch_syncs(module, seed=4)
     metrics = module.metrics()
     assert metrics["host_tier_hits"] > 0
     assert metrics["hbm_evicted_rows"] > 0
-    assert metrics["hbm_survey_graph_replays"] >= len(counts)
-    assert max(counts) == 1, counts
+    assert metrics["hbm_survey_graph_replays"] >= len(steps)
+    assert max(syncs for syncs, _, _ in steps) == 1, steps
     module.close()
 
 

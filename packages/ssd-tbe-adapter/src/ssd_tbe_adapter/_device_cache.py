@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -623,7 +624,6 @@ class DeviceCache:
         their rows). Either way every row lives in exactly one tier.
         """
         m, dmax, device = ids.numel(), self.dmax, self.device
-        cuda = device.type == "cuda"
         lower = self.lower
         assert not isinstance(lower, DramTier)
         up = self._staging.get("up", m, dmax + 2, torch.float32)
@@ -635,18 +635,8 @@ class DeviceCache:
         flags = self.valid.index_select(0, slots).to(torch.int64) | (
             self.dirty.index_select(0, slots).to(torch.int64) << 1
         )
-        keys = torch.stack(
-            [self.slot_tables.index_select(0, slots), self.slot_ids.index_select(0, slots), flags], 1
-        )
-        rows = torch.cat([self.weights.index_select(0, slots), self.state.index_select(0, slots)[:, None]], 1)
-        host_keys = self._staging.get("keys", m, 3, torch.int64)
-        host_rows = self._staging.get("down", m, dmax + 1, torch.float32)
-        host_keys.copy_(keys, non_blocking=cuda)
-        host_rows.copy_(rows, non_blocking=cuda)
-        if cuda:
-            torch.cuda.current_stream(device).synchronize()  # host sync: the victims
+        keys_np, rows_np = self._slots_to_host(slots, [flags], "down")
         self.metrics.bytes_to_host += m * (3 * 8 + (dmax + 1) * 4)
-        keys_np, rows_np = host_keys.numpy(), host_rows.numpy()  # numpy: faster row picks on the host
         host_flags = keys_np[:, 2]
         occupied = (host_flags & 1).astype(np.bool_)
         handed = occupied if lower.keeps_clean_rows else (host_flags == 3)
@@ -747,19 +737,8 @@ class DeviceCache:
         """``occupied`` without the first ``count`` occupied victims in ``slots``, whose dirty rows go straight to
         the store (clean ones are there): victims that the DRAM tier cannot hold (a batch missing more rows than
         the tier holds). One device-to-host copy of every victim's key, flags and row, one wait."""
-        m, dmax, cuda = slots.numel(), self.dmax, self.device.type == "cuda"
-        keys = torch.stack(
-            [self.slot_tables.index_select(0, slots), self.slot_ids.index_select(0, slots), occupied, dirty],
-            1,
-        )
-        rows = torch.cat([self.weights.index_select(0, slots), self.state.index_select(0, slots)[:, None]], 1)
-        host_keys = self._staging.get("spill_keys", m, 4, torch.int64)
-        host_rows = self._staging.get("spill_rows", m, dmax + 1, torch.float32)
-        host_keys.copy_(keys, non_blocking=cuda)
-        host_rows.copy_(rows, non_blocking=cuda)
-        if cuda:
-            torch.cuda.current_stream(self.device).synchronize()  # host sync: the victims
-        keys_np, rows_np = host_keys.numpy(), host_rows.numpy()
+        dmax = self.dmax
+        keys_np, rows_np = self._slots_to_host(slots, [occupied.long(), dirty.long()], "spill")
         out = np.flatnonzero(keys_np[:, 2])[:count]
         if out.shape[0] == 0:
             return occupied
@@ -775,6 +754,24 @@ class DeviceCache:
                 )
             )
         return occupied.index_fill(0, torch.from_numpy(out).to(self.device), False)
+
+    def _slots_to_host(
+        self, slots: torch.Tensor, flags: list[torch.Tensor], name: str
+    ) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.float32]]]:
+        """Each slot's ``(table, id, *flags)`` (``flags``: ``[M]`` int64 columns) and row (weights, state) on the
+        host, as numpy views (faster row picks there) of reused pinned buffers: one copy each, one wait."""
+        m, cuda = slots.numel(), self.device.type == "cuda"
+        keys = torch.stack(
+            [self.slot_tables.index_select(0, slots), self.slot_ids.index_select(0, slots), *flags], 1
+        )
+        rows = torch.cat([self.weights.index_select(0, slots), self.state.index_select(0, slots)[:, None]], 1)
+        host_keys = self._staging.get(f"{name}_keys", m, keys.shape[1], torch.int64)
+        host_rows = self._staging.get(f"{name}_rows", m, self.dmax + 1, torch.float32)
+        host_keys.copy_(keys, non_blocking=cuda)
+        host_rows.copy_(rows, non_blocking=cuda)
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()  # host sync: the slots' rows
+        return host_keys.numpy(), host_rows.numpy()
 
     def _fill_slots(
         self,

@@ -7,6 +7,8 @@ so a move is one launch whatever the rows' order, and nothing waits on the host.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -49,48 +51,29 @@ def _scatter_kernel(  # type: ignore[no-untyped-def]  # Triton JIT function
         tl.store(target + placed[:, None] * target_stride + c[None, :], values, mask=mask)
 
 
-def _check_rows(rows: torch.Tensor, width: int) -> None:
-    if rows.dtype != torch.float32 or rows.dim() != 2 or rows.stride(1) != 1 or rows.shape[1] < width:
-        raise InvalidArgumentError(f"row moves need float32 rows with unit column stride, >= {width} columns")
-
-
-def _block_d(width: int) -> int:
-    return min(128, int(triton.next_power_of_2(max(width, 16))))
+def _launch(
+    kernel: Any, first: torch.Tensor, index: torch.Tensor, second: torch.Tensor, n: int, width: int
+) -> None:
+    """One launch of ``kernel`` over ``n`` rows of ``width`` columns between ``first`` and ``second``."""
+    for rows in (first, second):
+        if rows.dtype != torch.float32 or rows.dim() != 2 or rows.stride(1) != 1 or rows.shape[1] < width:
+            raise InvalidArgumentError(
+                f"row moves need float32 rows with unit column stride, >= {width} columns"
+            )
+    block_d = min(128, int(triton.next_power_of_2(max(width, 16))))
+    grid = (triton.cdiv(n, _BLOCK_R),)
+    kernel[grid](
+        first, index, second, n, width, first.stride(0), second.stride(0), BLOCK_R=_BLOCK_R, BLOCK_D=block_d
+    )
 
 
 def gather(source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
     """``out[i] = source[index[i]]`` where ``index[i] >= 0`` (see :func:`~ssd_tbe_adapter._row_moves.gather_rows`)."""
     n, width = out.shape
-    _check_rows(source, width)
-    _check_rows(out, width)
-    grid = (triton.cdiv(n, _BLOCK_R),)
-    _gather_kernel[grid](
-        source,
-        index,
-        out,
-        n,
-        width,
-        source.stride(0),
-        out.stride(0),
-        BLOCK_R=_BLOCK_R,
-        BLOCK_D=_block_d(width),
-    )
+    _launch(_gather_kernel, source, index, out, n, width)
 
 
 def scatter(rows: torch.Tensor, index: torch.Tensor, target: torch.Tensor) -> None:
     """``target[index[i]] = rows[i]`` (see :func:`~ssd_tbe_adapter._row_moves.scatter_rows`)."""
     n, width = rows.shape
-    _check_rows(rows, width)
-    _check_rows(target, width)
-    grid = (triton.cdiv(n, _BLOCK_R),)
-    _scatter_kernel[grid](
-        rows,
-        index,
-        target,
-        n,
-        width,
-        rows.stride(0),
-        target.stride(0),
-        BLOCK_R=_BLOCK_R,
-        BLOCK_D=_block_d(width),
-    )
+    _launch(_scatter_kernel, rows, index, target, n, width)
