@@ -55,6 +55,9 @@ def copy_rows(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -
 
 
 _TICK_SPAN = 1 << 40
+# Slot tensors :meth:`TableCache.vouch` remembers per table: a batch's prefetch, its forward and its backward,
+# and a few batches prefetched ahead.
+_MAX_VOUCHED = 8
 _MAX_USES = (1 << 22) - 1
 
 
@@ -97,6 +100,12 @@ class TableCache:
         self.sorted_ids = torch.zeros(0, dtype=torch.int64)
         self.sorted_slots = torch.zeros(0, dtype=torch.int64)
         self._stale = False  # the index still lists slots dropped with ``reindex=False``
+        # Bumped whenever a valid slot may stop holding its id (:meth:`drop`, :meth:`clear`); :meth:`fill`
+        # only fills invalid slots, so slots that held their ids at one generation still do while it lasts.
+        self.generation = 0
+        # Slot tensors known to hold their ids (see :meth:`vouch`): ``id(slots)`` -> (slots, ids, their
+        # version counters, generation). The tensors are kept alive, so an ``id`` is never reused meanwhile.
+        self._vouched: dict[int, tuple[torch.Tensor, torch.Tensor, int, int, int]] = {}
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots of ``ids`` (``[N]`` int64, host), ``-1`` where the id is not cached; ``[N]`` int64 host."""
@@ -115,17 +124,49 @@ class TableCache:
 
     def holds(self, slots: torch.Tensor, ids: torch.Tensor) -> bool:
         """Whether each of ``slots`` (``[K]`` int64 host) is valid and holds the id at the same position of
-        ``ids`` (``[K]`` int64 host): two gathers instead of an index search."""
-        return (
+        ``ids`` (``[K]`` int64 host): no work for a pair :meth:`vouch` recorded that no drop or in-place change
+        has touched since, else two gathers instead of an index search (and a pair that holds is vouched)."""
+        if self._vouched_for(slots, ids):
+            return True
+        held = (
             slots.numel() == ids.numel()
-            and bool(self.valid.index_select(0, slots).all())
-            and torch.equal(self.slot_ids.index_select(0, slots), ids)
+            and bool(self.valid.numpy()[slots.numpy()].all())
+            and bool((self.slot_ids.numpy()[slots.numpy()] == ids.numpy()).all())
+        )
+        if held:
+            self.vouch(slots, ids)
+        return held
+
+    def vouch(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
+        """Record that ``slots`` (``[K]`` int64 host, valid) hold ``ids`` (``[K]`` int64 host) now, so that
+        :meth:`holds` answers without looking while neither tensor changes in place and no slot is dropped.
+        The caller must not write to either tensor through memory torch does not see (a numpy view)."""
+        vouched = self._vouched
+        if len(vouched) >= _MAX_VOUCHED:
+            del vouched[next(iter(vouched))]  # the oldest
+        vouched.pop(id(slots), None)
+        vouched[id(slots)] = (slots, ids, slots._version, ids._version, self.generation)
+
+    def _vouched_for(self, slots: torch.Tensor, ids: torch.Tensor) -> bool:
+        entry = self._vouched.get(id(slots))
+        if entry is None:
+            return False
+        their_slots, their_ids, slots_version, ids_version, generation = entry
+        if generation != self.generation:
+            self._vouched.clear()  # every entry is older than the drop
+            return False
+        return (
+            their_slots is slots
+            and their_ids is ids
+            and slots._version == slots_version
+            and ids._version == ids_version
         )
 
     def touch(self, slots: torch.Tensor, tick: int) -> None:
         """Mark ``slots`` (``[K]`` int64 host, all valid, unique) used at ``tick``."""
-        self.last_used.index_fill_(0, slots, tick)
-        self.uses.index_add_(0, slots, torch.ones_like(slots))
+        index = slots.numpy()
+        self.last_used.numpy()[index] = tick
+        self.uses.numpy()[index] += 1  # unique slots: one increment each
 
     def choose_victims(self, count: int, tick: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to ``count`` slots for new rows: free slots first, then the least used (then least recently
@@ -167,6 +208,7 @@ class TableCache:
             return
         self.valid.index_fill_(0, slots, False)
         self.dirty.index_fill_(0, slots, False)
+        self.generation += 1
         self._stale = True
         if reindex:
             self._compact()
@@ -202,6 +244,7 @@ class TableCache:
         """Forget every row (the caller has flushed dirty rows)."""
         self.valid.zero_()
         self.dirty.zero_()
+        self.generation += 1
         self._stale = False
         self.sorted_ids = torch.zeros(0, dtype=torch.int64)
         self.sorted_slots = torch.zeros(0, dtype=torch.int64)

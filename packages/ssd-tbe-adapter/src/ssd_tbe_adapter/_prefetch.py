@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ssd_tbe_adapter._plan import Plan, TableGroup, group_batch
@@ -193,16 +194,17 @@ class Prefetcher:
             for table, group in groups.items():
                 cache = tier.caches[table]
                 slots = cache.lookup(group.unique)
-                hit = slots >= 0
-                n_hit = int(hit.sum())
+                hit = slots.numpy() >= 0
+                n_hit = int(np.count_nonzero(hit))
                 tier.metrics.lookups += group.unique.numel()
                 tier.metrics.hits += n_hit
                 if n_hit == group.unique.numel():
                     cache.touch(slots, tick)
+                    cache.vouch(slots, group.unique)
                     group.slots = slots
                 else:
-                    cache.touch(slots[hit], tick)
-                    misses[table] = group.unique[~hit]
+                    cache.touch(torch.from_numpy(slots.numpy()[hit]), tick)
+                    misses[table] = torch.from_numpy(group.unique.numpy()[~hit])
                     first_slots[table] = slots
                     fills[table] = cache.fills
             if not misses:

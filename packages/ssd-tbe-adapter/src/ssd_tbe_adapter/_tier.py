@@ -129,10 +129,12 @@ class CacheTier:
             # Slots that still hold their ids are all hits: no second pass over them.
             held = prior is not None and cache.holds(prior, ids)
             slots = prior if held and prior is not None else cache.lookup(ids)
-            if held or bool((slots >= 0).all()):
+            if held or _all_found(slots):
                 hit_positions = None
                 hit_slots = slots
                 hints[table] = slots
+                if not held:
+                    cache.vouch(slots, ids)
             else:
                 hit_positions = (slots >= 0).nonzero().flatten()
                 hit_slots = slots.index_select(0, hit_positions)
@@ -195,7 +197,7 @@ class CacheTier:
             self.wait_insert_event()
             held = hint is not None and cache.holds(hint, ids)
             slots = hint if held and hint is not None else cache.lookup(ids)
-            if ids.numel() and (held or bool((slots >= 0).all())):
+            if ids.numel() and (held or _all_found(slots)):
                 hit_positions = None
                 hit_slots = slots
             else:
@@ -219,7 +221,7 @@ class CacheTier:
                     copy_rows(cache.weights, device_slots, weights.to(self.layout.weight_dtype).contiguous())
                     if self.layout.state_width:
                         copy_rows(cache.state, device_slots, state.contiguous())
-                cache.dirty.index_fill_(0, hit_slots, True)
+                cache.dirty.numpy()[hit_slots.numpy()] = True
             if hit_slots.numel() < ids.numel():
                 miss_positions = (slots < 0).nonzero().flatten()
                 miss_ids = ids.index_select(0, miss_positions)
@@ -305,3 +307,8 @@ class CacheTier:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
             event.record(torch.cuda.current_stream(self.device))
             self.main_event = event
+
+
+def _all_found(slots: torch.Tensor) -> bool:
+    """Whether no entry of a lookup's slots (``[K]`` int64 host) is ``-1`` (numpy: a fraction of torch's cost)."""
+    return bool((slots.numpy() >= 0).all())
