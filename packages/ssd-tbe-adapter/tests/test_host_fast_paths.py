@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
+from ssd_tbe_adapter import _plan
 from ssd_tbe_adapter._cache import TableCache
+from ssd_tbe_adapter._plan import _GroupLayouts, group_batch, plan_batch
 
 
 def _cache_with(ids: list[int], capacity: int | None = None) -> TableCache:
@@ -74,3 +78,102 @@ def test_touch_counts_once_per_slot() -> None:
     cache.touch(slots, tick=9)
     assert cache.last_used.tolist() == [9, 1, 9]
     assert cache.uses.tolist() == [2, 1, 2]
+
+
+def _grouped(
+    ids: list[int], lengths: list[int], batch_sizes: list[list[int]], feature_table_map: list[int]
+) -> dict[int, list[list[int]]]:
+    offsets = torch.tensor([0, *np.cumsum(lengths, dtype=np.int64).tolist()], dtype=torch.int64)
+    plan, indices_cpu = plan_batch(
+        torch.tensor(ids, dtype=torch.int64),
+        offsets,
+        None,
+        batch_sizes,
+        None,
+        None,
+        feature_table_map=feature_table_map,
+        dims=[2] * 3,
+        device=torch.device("cpu"),
+    )
+    groups = group_batch(plan, indices_cpu, feature_table_map)
+    return {
+        table: [
+            group.unique.tolist(),
+            [u for part in group.inverse for u in part.tolist()],
+            group.order.tolist(),
+            group.sorted_bags.tolist(),
+            group.row_offsets.tolist(),
+        ]
+        for table, group in groups.items()
+    }
+
+
+def test_group_layout_is_reused_only_for_equal_offsets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two batches of one bag layout but other bag lengths: the second must not reuse the first's layout."""
+    feature_table_map = [1, 0, 1]
+    batch_sizes = [[1, 1], [2, 0], [0, 2]]
+    ids = [5, 6, 7, 5, 8, 9]
+    first = _grouped(ids, [1, 2, 1, 1, 1, 0], batch_sizes, feature_table_map)
+    assert _grouped(ids, [1, 2, 1, 1, 1, 0], batch_sizes, feature_table_map) == first
+    other = _grouped(ids, [0, 1, 1, 1, 1, 2], batch_sizes, feature_table_map)
+    # Table 1 holds features 0 (bag 1: id 5) and 2 (bag 4: id 5, bag 5: ids 8, 9), bags numbered 0-1 and 2-3.
+    assert other[1][0] == [5, 8, 9]
+    assert other[1][3] == [1, 2, 3, 3]
+    assert other[1][4] == [0, 2, 3, 4]
+    assert other != first
+    monkeypatch.setattr(_plan, "_LAYOUTS", _GroupLayouts(budget=1 << 20))  # nothing cached
+    assert _grouped(ids, [0, 1, 1, 1, 1, 2], batch_sizes, feature_table_map) == other
+    assert _grouped(ids, [1, 2, 1, 1, 1, 0], batch_sizes, feature_table_map) == first
+
+
+def test_group_layouts_stay_within_budget() -> None:
+    layouts = _GroupLayouts(budget=40)
+    for bags in range(1, 12):
+        plan, _ = plan_batch(
+            torch.zeros(bags, dtype=torch.int64),
+            torch.arange(bags + 1),
+            None,
+            None,
+            None,
+            None,
+            feature_table_map=[0],
+            dims=[2],
+            device=torch.device("cpu"),
+        )
+        layouts.get(plan, [0])
+        assert layouts.held <= 40
+        assert layouts.held == sum(layout.size for layout in layouts.layouts.values())
+    assert list(layouts.layouts)[-1] == ((0,), (11,))  # the newest is kept
+
+
+def _vbe_plan(batch_sizes: list[list[int]], **kwargs: torch.Tensor) -> _plan.Plan:
+    bags = sum(map(sum, batch_sizes))
+    plan, _ = plan_batch(
+        torch.zeros(bags, dtype=torch.int64),
+        torch.arange(bags + 1),
+        None,
+        batch_sizes,
+        kwargs.get("vbe_output"),
+        kwargs.get("vbe_output_offsets"),
+        feature_table_map=[0, 1],
+        dims=[2, 3],
+        device=torch.device("cpu"),
+    )
+    return plan
+
+
+def test_vbe_layouts_cached_per_shape_stay_independent() -> None:
+    packed = _vbe_plan([[1, 2], [3, 0]])
+    # rank 0: feature 0 (1x2) at 0, feature 1 (3x3) at 2; rank 1: feature 0 (2x2) at 11, feature 1 (0) at 15.
+    assert packed.blocks == [[(0, 1, 0), (1, 2, 11)], [(0, 3, 2), (3, 0, 15)]]
+    assert packed.output_numel == 15
+    packed.blocks[0].clear()  # a plan's lists are its own
+    assert _vbe_plan([[1, 2], [3, 0]]).blocks == [[(0, 1, 0), (1, 2, 11)], [(0, 3, 2), (3, 0, 15)]]
+    assert _vbe_plan([[2, 1], [3, 0]]).blocks == [[(0, 2, 0), (2, 1, 13)], [(0, 3, 4), (3, 0, 15)]]
+    given = _vbe_plan(
+        [[1, 2], [3, 0]],
+        vbe_output=torch.zeros(40),
+        vbe_output_offsets=torch.tensor([[20, 0], [30, 9]]),
+    )
+    assert given.blocks == [[(0, 1, 20), (1, 2, 30)], [(0, 3, 0), (3, 0, 9)]]
+    assert given.output_numel == 40

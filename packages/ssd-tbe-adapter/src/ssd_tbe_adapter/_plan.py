@@ -3,6 +3,8 @@ ids into unique rows with the transpose backward needs (:class:`TableGroup`). Al
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,10 +104,9 @@ def plan_batch(
     total_bags = offsets.numel() - 1
     if check_offsets:
         offsets_cpu = offsets.to("cpu", torch.int64)
-        decreasing = bool(total_bags and (offsets_cpu[1:] < offsets_cpu[:-1]).any())
-        check_offset_values(
-            int(offsets_cpu[0]), int(offsets_cpu[-1]), indices_cpu.numel(), decreasing=decreasing
-        )
+        values = offsets_cpu.numpy()  # numpy: a fraction of torch's per-op cost on these small arrays
+        decreasing = bool(total_bags and (values[1:] < values[:-1]).any())
+        check_offset_values(int(values[0]), int(values[-1]), indices_cpu.numel(), decreasing=decreasing)
     else:
         offsets_cpu = offsets
         if total_bags == 0 and indices.numel():  # the device check needs a bag to put each lookup in
@@ -143,6 +144,8 @@ def plan_batch(
                 f"got {batch_sizes!r}"
             )
         num_bags = [sum(row) for row in batch_sizes]
+        batch_key = tuple(map(tuple, batch_sizes))
+        feature_dims = tuple(dims[table] for table in feature_table_map)
         if sum(num_bags) != total_bags:
             raise InvalidArgumentError(
                 f"`batch_size_per_feature_per_rank` sums to {sum(num_bags)} bags, `offsets` has {total_bags}"
@@ -172,30 +175,11 @@ def plan_batch(
                     f"`vbe_output_offsets` must be [R={ranks}, F={num_features}] int64, got {describe(vbe_output_offsets)}"
                 )
             starts: list[list[int]] = vbe_output_offsets.to("cpu", torch.int64).tolist()
-            output_numel = vbe_output.numel()
+            layout = _vbe_blocks(batch_key, feature_dims, tuple(map(tuple, starts)), vbe_output.numel())
         else:
-            starts = [[0] * num_features for _ in range(ranks)]
-            cursor = 0
-            for rank in range(ranks):
-                for feature in range(num_features):
-                    starts[rank][feature] = cursor
-                    cursor += batch_sizes[feature][rank] * dims[feature_table_map[feature]]
-            output_numel = cursor
-        for feature in range(num_features):
-            dim = dims[feature_table_map[feature]]
-            feature_blocks = []
-            first = 0
-            for rank in range(ranks):
-                bags = batch_sizes[feature][rank]
-                start = starts[rank][feature]
-                if bags and (start < 0 or start + bags * dim > output_numel):
-                    raise InvalidArgumentError(
-                        f"`vbe_output_offsets`[{rank}][{feature}] = {start}: block of {bags}x{dim} "
-                        f"does not fit in `vbe_output` of {output_numel} elements"
-                    )
-                feature_blocks.append((first, bags, start))
-                first += bags
-            blocks.append(feature_blocks)
+            layout = _cached_vbe_blocks(batch_key, feature_dims, None, 0)
+        blocks = [list(feature_blocks) for feature_blocks in layout[0]]
+        output_numel = layout[1]
     else:
         if vbe_output is not None or vbe_output_offsets is not None:
             raise InvalidArgumentError("`vbe_output` needs `batch_size_per_feature_per_rank` (VBE)")
@@ -221,6 +205,52 @@ def plan_batch(
     return plan, indices_cpu
 
 
+_Blocks = tuple[tuple[tuple[int, int, int], ...], ...]
+
+
+def _vbe_blocks(
+    batch_sizes: tuple[tuple[int, ...], ...],
+    feature_dims: tuple[int, ...],
+    starts: tuple[tuple[int, ...], ...] | None,
+    output_numel: int,
+) -> tuple[_Blocks, int]:
+    """The VBE blocks per feature (first bag within the feature, bags, output element offset) and the output's
+    size: at ``starts`` (``[R][F]``, in an output of ``output_numel`` elements) when given, else packed rank →
+    feature → sample → dim. Raises :class:`InvalidArgumentError` for a block that does not fit."""
+    num_features = len(feature_dims)
+    ranks = len(batch_sizes[0])
+    if starts is None:
+        packed = [[0] * num_features for _ in range(ranks)]
+        cursor = 0
+        for rank in range(ranks):
+            for feature in range(num_features):
+                packed[rank][feature] = cursor
+                cursor += batch_sizes[feature][rank] * feature_dims[feature]
+        starts = tuple(map(tuple, packed))
+        output_numel = cursor
+    blocks = []
+    for feature, dim in enumerate(feature_dims):
+        feature_blocks = []
+        first = 0
+        for rank in range(ranks):
+            bags = batch_sizes[feature][rank]
+            start = starts[rank][feature]
+            if bags and (start < 0 or start + bags * dim > output_numel):
+                raise InvalidArgumentError(
+                    f"`vbe_output_offsets`[{rank}][{feature}] = {start}: block of {bags}x{dim} "
+                    f"does not fit in `vbe_output` of {output_numel} elements"
+                )
+            feature_blocks.append((first, bags, start))
+            first += bags
+        blocks.append(tuple(feature_blocks))
+    return tuple(blocks), output_numel
+
+
+# The packed layouts of recent batch shapes (a prefetch and its forward plan the same batch; a trainer's
+# batches repeat a few shapes): the per-(rank, feature) loops run once per shape.
+_cached_vbe_blocks = functools.lru_cache(maxsize=256)(_vbe_blocks)
+
+
 def check_offset_values(first: int, last: int, lookups: int, *, decreasing: bool = False) -> None:
     """Raise :class:`InvalidArgumentError` unless ``offsets`` starts at 0, ends at ``lookups`` and (``decreasing``
     false) never decreases."""
@@ -232,22 +262,40 @@ def check_offset_values(first: int, last: int, lookups: int, *, decreasing: bool
         raise InvalidArgumentError("`offsets` must be non-decreasing")
 
 
-def group_batch(
-    plan: Plan, indices_cpu: torch.Tensor, feature_table_map: Sequence[int]
-) -> dict[int, TableGroup]:
-    """Per table: unique ids of the batch, each feature's lookups into them, and their transpose (host).
+@dataclass(frozen=True, slots=True)
+class _GroupLayout:
+    """What :func:`group_batch` derives from a batch's bag layout and offsets alone (not from its ids)."""
 
-    One sort of every lookup of the batch by ``(table, id)`` gives all tables' unique ids, inverses and
-    transposes together (numpy over the whole batch); per table only slices of the results are taken, so the
-    host work per batch does not grow with the number of tables (no per-row or per-table array pass).
-    """
+    offsets: np.ndarray[Any, np.dtype[np.int64]]  # the batch's offsets (compared on reuse)
+    first: int  # first lookup of the first feature
+    counts: list[int]  # lookups per feature
+    tables: np.ndarray[Any, np.dtype[np.int64]]  # [N] table of each lookup
+    local_position: np.ndarray[Any, np.dtype[np.int64]]  # [N] position within its table's lookups
+    local_bag: np.ndarray[Any, np.dtype[np.int64]]  # [N] bag within its table's bags
+    num_groups: int  # table numbers are < this
+    names: list[int]  # the tables, ascending
+    features: dict[int, list[int]]  # per table, its features in order
+    lookup_lo: np.ndarray[Any, np.dtype[np.int64]]  # per table of `names`: its lookups in the sorted batch
+    lookup_hi: np.ndarray[Any, np.dtype[np.int64]]
+    table_lookups: np.ndarray[Any, np.dtype[np.int64]]  # lookup_hi - lookup_lo
+
+    @property
+    def size(self) -> int:
+        """Lookups and offsets held (what :class:`_GroupLayouts` budgets)."""
+        return int(self.tables.shape[0] + self.offsets.shape[0])
+
+
+def _group_layout(
+    offsets: np.ndarray[Any, np.dtype[np.int64]],
+    num_bags: Sequence[int],
+    bag_start: Sequence[int],
+    feature_table_map: Sequence[int],
+) -> _GroupLayout:
     num_features = len(feature_table_map)
-    total_bags = plan.bag_start[-1] + plan.num_bags[-1] if num_features else 0
-    offsets = plan.offsets.numpy()
+    total_bags = bag_start[-1] + num_bags[-1] if num_features else 0
     # Lookups of feature f: [bounds[f], bounds[f + 1]) (features are contiguous, in order).
-    bounds = offsets[np.array([*plan.bag_start, total_bags], dtype=np.int64)]
+    bounds = offsets[np.array([*bag_start, total_bags], dtype=np.int64)]
     counts = np.diff(bounds)
-    ids = indices_cpu.numpy()[bounds[0] : bounds[-1]]
     tables = np.asarray(feature_table_map, dtype=np.int64)
     # Where each feature starts within its table's concatenation of features (lookups and bags), as a shift
     # from its position in the batch.
@@ -258,48 +306,120 @@ def group_batch(
     features: dict[int, list[int]] = {}
     for feature, table in enumerate(feature_table_map):
         lookup_shift[feature] = bounds[feature] - bounds[0] - table_lookups.get(table, 0)
-        bag_shift[feature] = plan.bag_start[feature] - table_bags.get(table, 0)
+        bag_shift[feature] = bag_start[feature] - table_bags.get(table, 0)
         table_lookups[table] = table_lookups.get(table, 0) + int(counts[feature])
-        table_bags[table] = table_bags.get(table, 0) + plan.num_bags[feature]
+        table_bags[table] = table_bags.get(table, 0) + num_bags[feature]
         features.setdefault(table, []).append(feature)
-    n = ids.shape[0]
-    table_of_lookup = np.repeat(tables, counts)
-    local_position = np.arange(n, dtype=np.int64) - np.repeat(lookup_shift, counts)
+    n = int(bounds[-1] - bounds[0])
     lengths = np.diff(offsets[: total_bags + 1])
-    local_bag = np.repeat(np.arange(total_bags, dtype=np.int64), lengths)[:n] - np.repeat(bag_shift, counts)
+    names = sorted(features)
+    # Sorted by (table, id), the lookups of table names[i] come after those of every smaller table.
+    sizes = np.array([table_lookups[table] for table in names], dtype=np.int64)
+    lookup_hi = np.cumsum(sizes)
+    return _GroupLayout(
+        offsets=offsets.copy(),
+        first=int(bounds[0]),
+        counts=counts.tolist(),
+        tables=np.repeat(tables, counts),
+        local_position=np.arange(n, dtype=np.int64) - np.repeat(lookup_shift, counts),
+        local_bag=np.repeat(np.arange(total_bags, dtype=np.int64), lengths)[:n]
+        - np.repeat(bag_shift, counts),
+        num_groups=int(tables.max()) + 1 if num_features else 1,
+        names=names,
+        features=features,
+        lookup_lo=lookup_hi - sizes,
+        lookup_hi=lookup_hi,
+        table_lookups=sizes,
+    )
+
+
+class _GroupLayouts:
+    """Recent :class:`_GroupLayout`s by bag layout, their offsets compared on reuse (a trainer's batches repeat a
+    few shapes; fixed-size batches of fixed-length bags one). Holds at most ``budget`` lookups and offsets in all."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.held = 0
+        self.layouts: dict[tuple[tuple[int, ...], tuple[int, ...]], _GroupLayout] = {}
+        self.lock = threading.Lock()  # prefetch jobs and forwards without one group on different threads
+
+    def get(self, plan: Plan, feature_table_map: Sequence[int]) -> _GroupLayout:
+        offsets = plan.offsets.numpy()
+        key = (tuple(feature_table_map), tuple(plan.num_bags))
+        with self.lock:
+            layout = self.layouts.pop(key, None)
+            if layout is not None:
+                self.held -= layout.size
+                if not np.array_equal(layout.offsets, offsets):
+                    layout = None
+        if layout is None:
+            layout = _group_layout(offsets, plan.num_bags, plan.bag_start, feature_table_map)
+        size = layout.size
+        if size <= self.budget:
+            with self.lock:
+                while self.layouts and self.held + size > self.budget:
+                    oldest = next(iter(self.layouts))
+                    self.held -= self.layouts.pop(oldest).size
+                self.layouts[key] = layout  # the newest last
+                self.held += size
+        return layout
+
+
+# About 50 MB of layouts at most (six int64 arrays per lookup).
+_LAYOUTS = _GroupLayouts(1 << 20)
+
+
+def group_batch(
+    plan: Plan, indices_cpu: torch.Tensor, feature_table_map: Sequence[int]
+) -> dict[int, TableGroup]:
+    """Per table: unique ids of the batch, each feature's lookups into them, and their transpose (host).
+
+    One sort of every lookup of the batch by ``(table, id)`` gives all tables' unique ids, inverses and
+    transposes together (numpy over the whole batch); per table only slices of the results are taken, so the
+    host work per batch does not grow with the number of tables (no per-row or per-table array pass). What
+    depends on the bag layout and offsets alone is computed once per layout (:class:`_GroupLayouts`).
+    """
+    layout = _LAYOUTS.get(plan, feature_table_map)
+    n = layout.tables.shape[0]
+    ids = indices_cpu.numpy()[layout.first : layout.first + n]
     # The order within one (table, id) does not matter (it only orders the terms of that row's gradient sum).
-    order, sorted_ids = sort_with_order(ids, table_of_lookup, int(tables.max()) + 1 if num_features else 1)
-    sorted_tables = table_of_lookup[order]
-    is_first = np.empty(n, dtype=np.bool_)
+    order, sorted_ids = sort_with_order(ids, layout.tables, layout.num_groups)
+    is_first = np.empty(n + 1, dtype=np.bool_)
     if n:
         is_first[0] = True
-        np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=is_first[1:])
-        is_first[1:] |= sorted_tables[1:] != sorted_tables[:-1]
+        np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=is_first[1:n])
+        is_first[layout.lookup_lo[layout.table_lookups > 0]] = True  # a table's first lookup
+    is_first[n] = True  # past the end: `starts` ends with n
     starts = np.flatnonzero(is_first)
-    unique_ids = sorted_ids[starts]
-    unique_tables = sorted_tables[starts]
-    names = np.array(sorted(features), dtype=np.int64)
-    lookup_lo = np.searchsorted(sorted_tables, names, "left")
-    lookup_hi = np.searchsorted(sorted_tables, names, "right")
-    unique_lo = np.searchsorted(unique_tables, names, "left")
-    unique_hi = np.searchsorted(unique_tables, names, "right")
+    unique_ids = sorted_ids[starts[:-1]]
+    # firsts[p]: unique rows among the sorted lookups before p.
+    firsts = np.cumsum(is_first, dtype=np.int64)
+    firsts -= is_first
+    unique_lo = firsts[layout.lookup_lo]
+    unique_hi = firsts[layout.lookup_hi]
     # Position of each sorted lookup's row among its table's unique rows.
-    rank = np.cumsum(is_first, dtype=np.int64) - 1
-    rank -= np.repeat(unique_lo, lookup_hi - lookup_lo)
+    rank = firsts[1 : n + 1] - 1
+    rank -= np.repeat(unique_lo, layout.table_lookups)
     inverse_np = np.empty(n, dtype=np.int64)
     inverse_np[order] = rank
-    inverse = torch.from_numpy(inverse_np).split_with_sizes(counts.tolist())
-    sorted_local = local_position[order]
-    sorted_bags = local_bag[order]
+    inverse = torch.from_numpy(inverse_np).split_with_sizes(layout.counts)
+    sorted_local = layout.local_position[order]
+    sorted_bags = layout.local_bag[order]
     groups: dict[int, TableGroup] = {}
-    for i, table in enumerate(names.tolist()):
-        lo, hi, u_lo, u_hi = int(lookup_lo[i]), int(lookup_hi[i]), int(unique_lo[i]), int(unique_hi[i])
+    for i, table in enumerate(layout.names):
+        lo, hi, u_lo, u_hi = (
+            int(layout.lookup_lo[i]),
+            int(layout.lookup_hi[i]),
+            int(unique_lo[i]),
+            int(unique_hi[i]),
+        )
         groups[table] = TableGroup(
             unique=torch.from_numpy(unique_ids[u_lo:u_hi]),
-            inverse=[inverse[feature] for feature in features[table]],
+            inverse=[inverse[feature] for feature in layout.features[table]],
             order=torch.from_numpy(sorted_local[lo:hi]),
             sorted_bags=torch.from_numpy(sorted_bags[lo:hi]),
-            row_offsets=torch.from_numpy(np.append(starts[u_lo:u_hi] - lo, hi - lo)),
+            # starts[u_hi] is the next table's first lookup (hi), or n after the last table.
+            row_offsets=torch.from_numpy(starts[u_lo : u_hi + 1] - lo),
         )
     return groups
 
