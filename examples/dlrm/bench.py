@@ -6,7 +6,9 @@
 Rows (``--impls``): ``ours-pipelined`` and ``ours-plain`` (every table in a TBE: fbgemm's on CUDA; on one GPU the
 whole step is a CUDA graph replay), ``ours-plain-dense-graphs`` (CUDA, not a default row: the plain loop with only
 the dense part graphed, ``--no-graph-step``), ``ours-kv``
-(pipelined, Criteo's five large tables in key-value tables on RocksDB), ``torchrec-pipeline``
+(pipelined, Criteo's five large tables in key-value tables on RocksDB; on one GPU the whole step a CUDA graph
+replay, the key-value rows prefetched one batch ahead), ``ours-kv-no-graph-step`` (CUDA, not a default row: the
+same with the eager step), ``torchrec-pipeline``
 (``DistributedModelParallel`` + ``TrainPipelineSparseDist``, CUDA only: its pipeline needs streams),
 ``torchrec-plain`` (``DistributedModelParallel`` in a plain loop) and ``torchrec-plain-cat`` (the same, its
 interaction input a ``torch.cat`` of the dense output and the pooled ``KeyedTensor``'s values in the shards'
@@ -66,6 +68,7 @@ ALL_IMPLS = (
     "torchrec-plain",
     "torchrec-plain-cat",
     "ours-plain-dense-graphs",
+    "ours-kv-no-graph-step",
 )
 CUDA_IMPLS = ALL_IMPLS[:5]  # the default rows on CUDA (torchrec's regroup kernel is fast there)
 CPU_IMPLS = tuple(
@@ -368,6 +371,8 @@ def _run(bench: BenchConfig, impl: str) -> list[int]:
         return _ours(bench, pipeline=True, kv=True)
     if impl == "ours-plain-dense-graphs":
         return _ours(bench, pipeline=False, kv=False, graph_step=False)
+    if impl == "ours-kv-no-graph-step":
+        return _ours(bench, pipeline=True, kv=True, graph_step=False)
     if impl == "torchrec-pipeline":
         return _torchrec(bench, pipeline=True)
     if impl == "torchrec-plain":

@@ -42,6 +42,8 @@ class EmbeddingConfig:
         host_cache_rows: rows of the host-DRAM tier under a key-value kernel's device cache (CUDA only: the
             device cache is the only one with a tier below it; 0 for none).
         kv_store: ``"rocksdb"`` (on disk under the run folder) or ``"memory"``.
+        kv_cache_on_device: the key-value kernels' ``cache_on_device`` (``None``: on CUDA only; ``True`` runs
+            the device-managed cache, and its host-DRAM tier, on the CPU too).
         tbe: ``"auto"`` (fbgemm on CUDA when it loads, TorchEmbeddingKernel on CPU), ``"fbgemm"`` or
             ``"torch"`` for the in-memory tables.
         optimizer: ``"rowwise_adagrad"`` or ``"sgd"``, fused into the backward of every kernel.
@@ -55,6 +57,7 @@ class EmbeddingConfig:
     cache_rows: int = 4096
     host_cache_rows: int = 0
     kv_store: str = "rocksdb"
+    kv_cache_on_device: bool | None = None
     tbe: str = "auto"
     optimizer: str = "rowwise_adagrad"
     learning_rate: float = 0.05
@@ -136,8 +139,11 @@ class ShardedTables:
         if spec.group == KV_GROUP:
             from ssd_tbe_adapter import KeyValueEmbeddingBags, MemoryStore, RocksDBStore, TableSpec
 
-            # The host-DRAM tier sits under the device-managed cache, which only CUDA has.
-            host_tier = cfg.host_cache_rows if self.device.type == "cuda" else 0
+            # The host-DRAM tier sits under the device-managed cache (CUDA's default; the CPU's on request).
+            on_device = (
+                self.device.type == "cuda" if cfg.kv_cache_on_device is None else cfg.kv_cache_on_device
+            )
+            host_tier = cfg.host_cache_rows if on_device else 0
             if cfg.kv_store == "rocksdb":
                 store: Any = RocksDBStore(self.workdir / f"rank{spec.rank}")
             else:
@@ -155,6 +161,7 @@ class ShardedTables:
                 learning_rate=cfg.learning_rate,
                 seed=cfg.seed,
                 device=self.device,
+                cache_on_device=on_device,
             )
             kind = f"key-value ({cfg.kv_store}, cache {cfg.cache_rows} rows"
             kind += f", host tier {host_tier} rows)" if host_tier else ")"

@@ -33,6 +33,8 @@ modulo the rows).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ from examples.dlrm.dense_graphs import pad_rows
 from examples.dlrm.dense_step import adagrad_update
 from examples.dlrm.model import DLRM
 from kt_regroup import KeyedTensor
+from ssd_tbe_adapter import KeyValueEmbeddingBags
 from vbe_lookup import GroupedVBELookup, VBEFeatures
 
 __all__ = ["PaddedBatch", "StepGraphs", "StepPadding", "step_graph_blocker"]
@@ -61,11 +64,15 @@ class PaddedBatch:
         batch: ``Bp`` samples (the first ``rows`` real), its sparse features ``Cp`` ids, feature -> sample.
         weight: ``[Bp]`` float32 loss weights: ``1 / rows`` on the real samples, 0 on the padding.
         rows: real samples.
+        kv_inputs: per key-value kernel, the ``(ids, offsets)`` :meth:`StepGraphs.prefetch` handed it (the
+            replay hands the same tensors to ``replaying``); empty before the prefetch.
     """
 
     batch: DLRMBatch
     weight: torch.Tensor
     rows: int
+    # Per key-value kernel: the ids and offsets its prefetch saw (StepGraphs.prefetch), on the device.
+    kv_inputs: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -90,6 +97,9 @@ class PaddedBatch:
         self.batch.record_stream(stream)
         if self.weight.is_cuda:
             self.weight.record_stream(stream)
+        for ids, offsets in self.kv_inputs:
+            ids.record_stream(stream)
+            offsets.record_stream(stream)
 
     def pin_memory(self) -> PaddedBatch:
         """This batch in pinned host memory."""
@@ -103,9 +113,16 @@ class StepPadding:
     Args:
         buckets: padded batch sizes, ascending; a batch of ``B`` samples goes to the smallest one ``> B`` (at
             least one padding sample holds the padding ids).
+        keys: the feature order of the padded batch (the lookup's kernels' order, so that each kernel's
+            features are one run); ``None`` keeps the batch's order.
+        per_feature: pad every feature to the same id count ``C`` (a multiple of ``Bp / 16``), so that the
+            ids of each kernel lie at fixed places (``Cp = F * C``) and a lookup over several kernels splits
+            them without reading counts; otherwise only the total is padded.
     """
 
     buckets: tuple[int, ...]
+    keys: tuple[str, ...] | None = None
+    per_feature: bool = False
 
     def __post_init__(self) -> None:
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
@@ -115,7 +132,8 @@ class StepPadding:
         """``batch`` (on the host) padded: see the module docstring.
 
         Raises:
-            ValueError: ``batch`` has as many samples as the largest bucket or more.
+            ValueError: ``batch`` has as many samples as the largest bucket or more, or its features are not
+                ``keys``.
         """
         rows = batch.batch_size
         padded = next((b for b in self.buckets if b > rows), None)
@@ -123,23 +141,33 @@ class StepPadding:
             raise ValueError(
                 f"batch of {rows} samples needs a padded size above it; the largest is {self.buckets[-1]}"
             )
-        sparse = batch.sparse_features
-        keys = sparse.keys()
+        keys, values, lengths = self._in_order(batch)
         num_features = len(keys)
-        values, lengths = sparse.values(), sparse.lengths().view(num_features, rows)
         n = values.numel()
-        quantum = max(1, padded * num_features // _ID_QUANTA_PER_BUCKET)
-        capacity = max(quantum, -(-n // quantum) * quantum)
-        # The padding ids spread evenly over the padding bags (feature-major), so no bag gets a long tail.
-        pad_bags = num_features * (padded - rows)
-        extra = capacity - n
-        pad_lengths = torch.full((pad_bags,), extra // pad_bags, dtype=lengths.dtype)
-        pad_lengths[: extra % pad_bags] += 1
-        pad_lengths = pad_lengths.view(num_features, padded - rows)
+        real_per_feature = lengths.sum(1)
+        pad_bags = padded - rows  # per feature
+        if self.per_feature:
+            quantum = max(1, padded // _ID_QUANTA_PER_BUCKET)
+            most = int(real_per_feature.max()) if num_features else 0
+            per_feature = max(quantum, -(-most // quantum) * quantum)
+            pad_per_feature = per_feature - real_per_feature
+            capacity = per_feature * num_features
+        else:
+            quantum = max(1, padded * num_features // _ID_QUANTA_PER_BUCKET)
+            capacity = max(quantum, -(-n // quantum) * quantum)
+            extra = capacity - n
+            total_bags = num_features * pad_bags
+            pad_per_feature = torch.full((num_features,), extra // total_bags, dtype=lengths.dtype) * pad_bags
+            pad_per_feature += (
+                (torch.arange(total_bags) < extra % total_bags).view(num_features, pad_bags).sum(1)
+            )
+        # The padding ids spread evenly over each feature's padding bags, so no bag gets a long tail.
+        column = torch.arange(pad_bags)
+        pad_lengths = (pad_per_feature // pad_bags)[:, None] + (
+            column[None, :] < (pad_per_feature % pad_bags)[:, None]
+        ).to(lengths.dtype)
         new_lengths = torch.cat([lengths, pad_lengths], dim=1)
         # Each real id moves right by the padding ids of the features before its own.
-        real_per_feature = lengths.sum(1)
-        pad_per_feature = pad_lengths.sum(1)
         shift = torch.cumsum(pad_per_feature, 0) - pad_per_feature
         feature_of_id = torch.repeat_interleave(torch.arange(num_features), real_per_feature)
         new_values = torch.zeros(capacity, dtype=values.dtype)
@@ -156,6 +184,27 @@ class StepPadding:
             rows=rows,
         )
 
+    def _in_order(self, batch: DLRMBatch) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+        """The batch's keys, ids and ``[F, B]`` lengths, its features put in ``keys`` order."""
+        sparse = batch.sparse_features
+        keys = list(sparse.keys())
+        values, lengths = sparse.values(), sparse.lengths().view(len(keys), batch.batch_size)
+        if self.keys is None or tuple(keys) == self.keys:
+            return keys, values, lengths
+        if sorted(keys) != sorted(self.keys):
+            raise ValueError(f"the batch's features {keys} are not the padding's `keys` {list(self.keys)}")
+        order = torch.tensor([keys.index(k) for k in self.keys])
+        per_feature = lengths.sum(1)
+        old_start = torch.cumsum(per_feature, 0) - per_feature
+        moved = per_feature[order]
+        new_start = torch.empty_like(old_start)
+        new_start[order] = torch.cumsum(moved, 0) - moved
+        feature_of_id = torch.repeat_interleave(torch.arange(len(keys)), per_feature)
+        positions = torch.arange(values.numel()) - old_start[feature_of_id] + new_start[feature_of_id]
+        reordered = torch.empty_like(values)
+        reordered[positions] = values
+        return list(self.keys), reordered, lengths[order]
+
 
 def step_graph_blocker(model: DLRM, *, world_size: int, device: torch.device) -> str | None:
     """Why the whole step cannot be one graph here (``None``: it can)."""
@@ -166,10 +215,14 @@ def step_graph_blocker(model: DLRM, *, world_size: int, device: torch.device) ->
     lookup = getattr(model.sparse_arch, "lookup", None)
     if not isinstance(lookup, GroupedVBELookup):
         return "the sparse module has no local GroupedVBELookup"
-    if len(lookup.groups) != 1:
-        return f"{len(lookup.groups)} kernels on the rank (splitting the ids between them needs host counts)"
-    if lookup.fbgemm_paths[0] != "direct":
-        return f"the rank's kernel is not an fbgemm TBE called directly ({lookup.fbgemm_paths[0]})"
+    for group, path in zip(lookup.groups, lookup.fbgemm_paths, strict=True):
+        if isinstance(group.kernel, KeyValueEmbeddingBags):
+            if not group.kernel.cache_on_device:
+                return "a key-value kernel without the device-managed cache (its forward does host work)"
+        elif path != "direct":
+            return (
+                f"a kernel that is not an fbgemm TBE called directly ({path or type(group.kernel).__name__})"
+            )
     if lookup.check_indices in ("always", "deferred"):
         return (
             f"the lookup checks ids with check_indices={lookup.check_indices!r} (a host read or module state)"
@@ -228,6 +281,24 @@ class StepGraphs:
         self.model = model
         self.optimizer = optimizer
         self.lookup = lookup
+        # With several kernels the batch's features come in kernel order, every feature padded to one id
+        # count, so each kernel's ids are one fixed slice (StepPadding(per_feature=True)).
+        if len(lookup.groups) > 1:
+            order = tuple(name for group in lookup.groups for name in group.features)
+            if sorted(order) != sorted(model.sparse_feature_names):
+                raise ValueError(
+                    f"the lookup's kernels serve {sorted(order)}, the model has {sorted(model.sparse_feature_names)}"
+                )
+            self.feature_order: tuple[str, ...] = order
+        else:
+            self.feature_order = tuple(model.sparse_feature_names)
+        self.per_feature = len(lookup.groups) > 1
+        self._kv: list[tuple[KeyValueEmbeddingBags, int, int]] = []  # kernel, first feature, features
+        first = 0
+        for group in lookup.groups:
+            if isinstance(group.kernel, KeyValueEmbeddingBags):
+                self._kv.append((group.kernel, first, len(group.features)))
+            first += len(group.features)
         self.capture = capture
         self.warmup = warmup
         self.max_graphs = max_graphs
@@ -239,6 +310,40 @@ class StepGraphs:
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         # Eager steps and captures on one side stream (the documented way to warm up a capture).
         self._stream = torch.cuda.Stream() if capture else None  # type: ignore[no-untyped-call]  # untyped in torch
+
+    def padding(self, buckets: Sequence[int]) -> StepPadding:
+        """The padding of the batches this step takes (feature order, per-feature id counts)."""
+        return StepPadding(tuple(buckets), keys=self.feature_order, per_feature=self.per_feature)
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether batches should go through :meth:`prefetch` (there are key-value kernels)."""
+        return bool(self._kv)
+
+    def prefetch(self, batch: PaddedBatch) -> PaddedBatch:
+        """Prefetch the key-value rows of ``batch`` (on the device) on the current stream (a pipeline's prefetch
+        stage); returns it with the ids and offsets each kernel's prefetch saw."""
+        inputs = self._kv_inputs(batch)
+        for (kernel, _, features), (ids, offsets) in zip(self._kv, inputs, strict=True):
+            kernel.prefetch(ids, offsets, [[batch.batch.batch_size]] * features)
+        return dataclasses.replace(batch, kv_inputs=inputs)
+
+    def _kv_inputs(self, batch: PaddedBatch) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """Per key-value kernel, its slice of the batch's ids (every feature holds ``C`` of them) and its bags'
+        offsets: the ids the lookup hands that kernel (the same memory, so its forward finds the prefetch)."""
+        if batch.kv_inputs or not self._kv:
+            return batch.kv_inputs
+        sparse = batch.batch.sparse_features
+        values, lengths = sparse.values(), sparse.lengths()
+        padded = batch.batch.batch_size
+        per_feature = values.numel() // len(self.feature_order)
+        out = []
+        for _, first, features in self._kv:
+            ids = values[first * per_feature : (first + features) * per_feature]
+            bag_lengths = lengths[first * padded : (first + features) * padded]
+            offsets = torch.nn.functional.pad(torch.cumsum(bag_lengths, 0), (1, 0))
+            out.append((ids, offsets))
+        return tuple(out)
 
     @property
     def captured_shapes(self) -> list[tuple[int, int]]:
@@ -262,14 +367,18 @@ class StepGraphs:
                 return loss
             captured = self._record(batch)
         captured.load(batch)
-        captured.graph.replay()
+        with contextlib.ExitStack() as replaying:  # each key-value kernel's slots staged for the replay
+            for (kernel, _, features), (ids, offsets) in zip(self._kv, self._kv_inputs(batch), strict=True):
+                replaying.enter_context(kernel.replaying(ids, offsets, [[batch.batch.batch_size]] * features))
+            captured.graph.replay()
         self.replays += 1
         _count_step(self.optimizer)
         return captured.loss.clone()
 
     def _relied_on(self) -> list[torch.Tensor]:
         state = self.optimizer.state
-        return [state[p]["sum"] for p in self._params]
+        cache = [t for kernel, _, _ in self._kv for t in kernel.captured_buffers()]
+        return [state[p]["sum"] for p in self._params] + cache
 
     def _still_valid(self, captured: _Captured) -> bool:
         now = self._relied_on()
@@ -302,9 +411,15 @@ class StepGraphs:
         return captured
 
     def _features(self, values: torch.Tensor, lengths: torch.Tensor, padded: int) -> VBEFeatures:
-        names = self.model.sparse_feature_names
+        names = self.feature_order
+        # Per-feature padding: every feature holds values.numel() / F ids, known here without a read.
+        per_key = [values.numel() // len(names)] * len(names) if self.per_feature else None
         return VBEFeatures(
-            keys=names, values=values, lengths=lengths, stride_per_key_per_rank=[[padded]] * len(names)
+            keys=list(names),
+            values=values,
+            lengths=lengths,
+            stride_per_key_per_rank=[[padded]] * len(names),
+            length_per_key=per_key,
         )
 
     def _train(

@@ -417,12 +417,8 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         if blocker is None:
             step_graphs = StepGraphs(model, optimizer)
             low = config.batch_size if config.min_batch_size is None else config.min_batch_size
-            padding = StepPadding(
-                tuple(
-                    bucket_sizes(
-                        1 if config.data else low + 1, config.batch_size + 1, config.graph_granularity
-                    )
-                )
+            padding = step_graphs.padding(
+                bucket_sizes(1 if config.data else low + 1, config.batch_size + 1, config.graph_granularity)
             )
             logger.info("the whole step runs as CUDA graph replays (one per padded batch shape)")
         elif device.type == "cuda":
@@ -500,14 +496,21 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
     pipeline: StagedTrainPipeline | None = None
     sdd: SparseDataDistUtil | None = None
     if config.pipeline and step_graphs is not None:
-        # The sparse input dist is inside the graph (one rank): the pipeline copies the next batch ahead.
+        # The sparse input dist is inside the graph (one rank): the pipeline copies the next batch ahead and,
+        # with key-value tables, prefetches its rows (on its own stream) while the current step replays.
+        graphed = step_graphs
         pipeline = StagedTrainPipeline(
             pipeline_stages=[
                 PipelineStage(
                     name="data_copy",
                     runnable=lambda b: b.to(device, non_blocking=True),
                     stream=_new_stream(device),
-                )
+                ),
+                *(
+                    [PipelineStage(name="prefetch", runnable=graphed.prefetch, stream=_new_stream(device))]
+                    if graphed.prefetches
+                    else []
+                ),
             ],
             exhaustion_group=group if config.data else None,
             device_timing=True,

@@ -127,8 +127,13 @@ def train(
     layout: str,
     weighted: bool,
     pipelined: bool = False,
+    replay: str = "",
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Train over ``batches`` prefetching ``ahead`` batches ahead (0: none); outputs and psw gradients (CPU).
+
+    ``replay``: ``"static"`` runs each forward and backward inside ``replaying`` + ``static_slots`` (the
+    code a CUDA graph captures, run eagerly); ``"graph"`` (CUDA) captures each step's forward and backward
+    in a CUDA graph over static copies of its inputs and replays it inside ``replaying``.
 
     ``layout``: ``"plain"`` (no VBE), ``"vbe"`` or ``"vbe_output"`` (blocks written into a larger buffer at
     shuffled offsets; the gaps must stay untouched). ``pipelined``: each step's prefetch is issued after its
@@ -183,15 +188,55 @@ def train(
                     parts.append(out[lo : lo + n])
             assert bool((out.detach().cpu()[mask] == 42.0).all())
             mine = torch.cat(parts)
+        elif replay:
+            mine, psw = replayed_step(module, indices, offsets, psw, sizes, step, replay)
         else:
             mine = module(indices, offsets, psw, sizes)
-        probe = torch.randn(mine.shape, generator=torch.Generator().manual_seed(1000 + step)).to(device)
-        torch.autograd.backward((mine * probe).sum())
+        if not replay:
+            probe = torch.randn(mine.shape, generator=torch.Generator().manual_seed(1000 + step)).to(device)
+            torch.autograd.backward((mine * probe).sum())
         if ahead and pipelined:
             prefetch(step + ahead)
         outputs.append(mine.detach().cpu())
         grads.append(psw.grad.cpu() if psw is not None and psw.grad is not None else torch.zeros(0))
     return outputs, grads
+
+
+def replayed_step(
+    module: KeyValueEmbeddingBags,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    psw: torch.Tensor | None,
+    sizes: list[list[int]] | None,
+    step: int,
+    replay: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward + backward of ``(out * probe).sum()`` as a graph replay would run it (see :func:`train`);
+    returns the output and the leaf holding the psw gradient."""
+    device = module.device
+
+    def forward_backward(ids: torch.Tensor, offs: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        out: torch.Tensor = module(ids, offs, weights, sizes)
+        gen = torch.Generator().manual_seed(1000 + step)
+        probe = torch.randn(out.shape, generator=gen).to(device)
+        torch.autograd.backward((out * probe).sum())
+        return out.detach()
+
+    if replay == "static":
+        with module.replaying(indices, offsets, sizes), module.static_slots():
+            return forward_backward(indices, offsets, psw), psw
+    # A real capture: static inputs, recorded once (nothing runs), then one replay.
+    static_ids, static_offsets = indices.clone(), offsets.clone()
+    static_psw = None if psw is None else psw.detach().clone().requires_grad_(True)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+    side.wait_stream(torch.cuda.current_stream(device))
+    torch.cuda.synchronize(device)
+    with torch.cuda.graph(graph, stream=side):
+        out = forward_backward(static_ids, static_offsets, static_psw)
+    with module.replaying(indices, offsets, sizes):
+        graph.replay()
+    return out, static_psw
 
 
 def stored_rows(module: KeyValueEmbeddingBags) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
@@ -251,6 +296,7 @@ def check_against_both(
     fp16: bool = False,
     steps: int = 10,
     pipelined: bool = False,
+    replay: str = "",
 ) -> KeyValueEmbeddingBags:
     """Train the device-cache module, the host-cache CPU module and the reference on the same batches; every
     output, psw gradient and final row agree. Returns the (closed) device-cache module for metric checks."""
@@ -260,7 +306,7 @@ def check_against_both(
     module = make_module(device, on_device=True, optimizer=optimizer, pooling=pooling, fp16=fp16, **tiers)  # type: ignore[arg-type]
     host = make_module("cpu", on_device=False, cache_rows=3, optimizer=optimizer, pooling=pooling, fp16=fp16)
     got_out, got_grad = train(
-        module, batches, ahead=ahead, layout=layout, weighted=weighted, pipelined=pipelined
+        module, batches, ahead=ahead, layout=layout, weighted=weighted, pipelined=pipelined, replay=replay
     )
     host_out, host_grad = train(host, batches, ahead=0, layout=layout, weighted=weighted)
     reference = Reference(optimizer, pooling, fp16)
@@ -305,6 +351,46 @@ def test_device_cache_prefetch_after_backward_matches_reference(tiers: dict[str,
     """Prefetches issued after each backward (its batch released: its slots may be the victims) give the
     reference's and the host-cache path's outputs, psw gradients and rows."""
     check_against_both("cpu", tiers, ahead=ahead, layout="vbe", pipelined=True)
+
+
+@pytest.mark.parametrize("layout", ["plain", "vbe"], ids=["plain", "vbe"])
+@pytest.mark.parametrize("ahead", [0, 1, 2], ids=["sync", "ahead1", "ahead2"])
+@pytest.mark.parametrize("tiers", [t for _, t in TIERS], ids=[n for n, _ in TIERS])
+def test_static_slots_replay_matches_reference(tiers: dict[str, object], ahead: int, layout: str) -> None:
+    """Forwards and backwards that read their slots from the static buffers ``replaying`` stages (the code a
+    CUDA graph captures, run eagerly on the CPU) give the reference's outputs, psw gradients and rows, with
+    prefetches ahead and without (then staging assigns the slots itself)."""
+    check_against_both("cpu", tiers, ahead=ahead, layout=layout, replay="static")
+
+
+def test_static_forward_reads_the_staged_slots() -> None:
+    """Under ``static_slots`` a forward reads the slots ``replaying`` staged, not its own ids: a forward of
+    other ids of the same count gives the staged batch's output (a replay reads its capture's inputs)."""
+    module = make_module("cpu", on_device=True, cache_rows=8, host_cache_rows=8)
+    staged = make_batches(1, vbe=False, seed=5)[0]
+    other_ids = torch.full_like(staged.indices, 12345)  # one id none of the staged bags holds
+    with torch.no_grad():
+        want = module(staged.indices, staged.offsets)
+        with module.replaying(staged.indices, staged.offsets), module.static_slots():
+            got = module(other_ids, staged.offsets)
+        plain = module(other_ids, staged.offsets)
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(plain, want)
+    module.close()
+
+
+def test_replaying_needs_the_device_cache() -> None:
+    """The host-cache path has no static slots: ``replaying`` and ``static_slots`` say so."""
+    module = make_module("cpu", on_device=False, cache_rows=3)
+    b = make_batches(1, vbe=False)[0]
+    with (
+        pytest.raises(InvalidArgumentError, match="device-managed cache"),
+        module.replaying(b.indices, b.offsets),
+    ):
+        pass
+    with pytest.raises(InvalidArgumentError, match="device-managed cache"), module.static_slots():
+        pass
+    module.close()
 
 
 @pytest.mark.parametrize(
@@ -1120,6 +1206,44 @@ def test_cuda_device_cache_optimizers_pooling_precision(optimizer: str, pooling:
         pooling=pooling,
         fp16=fp16,
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["plain", "vbe"], ids=["plain", "vbe"])
+@pytest.mark.parametrize("ahead", [0, 1, 2], ids=["sync", "ahead1", "ahead2"])
+@pytest.mark.parametrize("tiers", [t for _, t in TIERS], ids=[n for n, _ in TIERS])
+def test_cuda_graph_replays_match_reference(tiers: dict[str, object], ahead: int, layout: str) -> None:
+    """Each step's forward and backward captured in a CUDA graph (nothing runs at capture) and replayed
+    inside ``replaying`` (prefetches on a side stream) give the reference's outputs, psw gradients and rows."""
+    check_against_both("cuda", tiers, ahead=ahead, layout=layout, replay="graph")
+
+
+@pytest.mark.gpu
+def test_cuda_chained_forward_reads_its_offsets_once() -> None:
+    """A forward into ``vbe_output`` reads the host copy of ``vbe_output_offsets`` once per tensor: later
+    forwards of the same layout, after a prefetch, run without a host sync."""
+    module = make_module("cuda", on_device=True, cache_rows=4, host_cache_rows=8)
+    sizes = [[2, 2] for _ in FTM]
+    dims = [TABLES[t].dim for t in FTM]
+    starts = torch.tensor([[0, 16, 26], [42, 58, 68]], dtype=torch.int64).cuda()
+    bags = sum(map(sum, sizes))
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        lengths = torch.randint(0, 3, (bags,), generator=gen)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).cuda()
+        indices = ID_POOL[torch.randint(0, ID_POOL.numel(), (int(lengths.sum()),), generator=gen)].cuda()
+        module.prefetch(indices, offsets, sizes)
+        buffer = torch.zeros(84, device="cuda")
+        torch.cuda.synchronize()
+        if step:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = module(indices, offsets, None, sizes, buffer, starts)
+            out.sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert sum(d * 4 for d in dims) == 84
+    module.close()
 
 
 @pytest.mark.gpu

@@ -809,6 +809,7 @@ class DeviceCache:
     def update(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """Apply ``optimizer`` to the rows in ``slots`` (``[U]`` unique, device) with their summed gradients
         ``grads`` (``[U, D_max]``, zero past each table's ``D``), in place; marks them dirty. No sync.
+        ``slots`` may repeat the trash slot with zero gradients (a padded batch): it is left as it was.
 
         Same arithmetic as :meth:`RowOptimizer.step_in_place` (row-wise Adagrad's mean over the row's own
         ``D`` columns); fp16 tables round the updated weights to fp16.
@@ -830,6 +831,7 @@ class DeviceCache:
             rounded = self.weights.index_select(0, slots).half().float()
             self.weights.index_copy_(0, slots, rounded)
         self.dirty.index_put_((slots,), torch.ones((), dtype=torch.bool, device=self.device))
+        self.dirty[self.trash :].zero_()  # `slots` may be padded with the trash slot: it stays clean
 
     def rows_to_host(self, slots: torch.Tensor) -> TierRows:
         """The rows in ``slots`` (``[K]`` device int64) copied to the host."""

@@ -123,6 +123,10 @@ class DevicePath:
         self._tables_of_bags: dict[tuple[int, ...], torch.Tensor] = {}
         self._main_event: Any = None
         self._insert_event: Any = None
+        # Captured forwards (CUDA graphs) read a batch's slots from these, per lookup count N.
+        self._static: dict[int, _Batch] = {}
+        self._staged: list[_Batch] = []  # batches staged for a replay, released when it was issued
+        self.static_mode = False  # forwards read the static buffers as under a capture (see in_capture)
         self.counters = dict.fromkeys(
             ("forwards", "forwards_without_prefetch", "prefetches", "forward_lookups", "forward_hits"), 0
         )
@@ -198,6 +202,18 @@ class DevicePath:
 
         Uses the first pending prefetch of this batch (earlier ones are retired: their batches never came);
         without one the queue stays as it is and the batch gets its slots here (host syncs)."""
+        if self.in_capture():
+            return self._captured_forward(
+                anchor,
+                indices,
+                offsets,
+                per_sample_weights,
+                batch_sizes,
+                vbe_output,
+                vbe_output_offsets,
+                optimizer,
+                pooling,
+            )
         match = self._find(indices, offsets, batch_sizes)
         # The plan before the queue changes (bad input raises first). The values of `offsets` were checked by
         # the prefetch, or are checked by the assignment below.
@@ -240,6 +256,116 @@ class DevicePath:
         self._record_main()
         return output
 
+    def in_capture(self) -> bool:
+        """Whether a forward now is recorded for replays: the current CUDA stream captures a graph, or
+        :attr:`static_mode` is on (the same code run eagerly, e.g. on the CPU)."""
+        return self.static_mode or _capturing(self._device)
+
+    def _captured_forward(
+        self,
+        anchor: torch.Tensor,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        batch_sizes: list[list[int]] | None,
+        vbe_output: torch.Tensor | None,
+        vbe_output_offsets: torch.Tensor | None,
+        optimizer: RowOptimizer,
+        pooling: Literal["sum", "mean"],
+    ) -> torch.Tensor:
+        """:meth:`forward` while a CUDA graph captures: the lookups' slots come from the static buffers of
+        ``N = indices.numel()`` lookups, which :meth:`stage` fills before each replay (the unique slots padded
+        to ``N`` with the trash slot, which a zero gradient leaves as it was). Nothing here reads the host
+        queue or the events: staging and :meth:`replayed` do that around each replay."""
+        plan, _ = self._plan(
+            indices, offsets, per_sample_weights, batch_sizes, vbe_output, vbe_output_offsets
+        )
+        static = self._static_batch(indices.numel())
+        batch = replace(
+            static, indices=indices, offsets=offsets, bag_of_lookup=_bag_of_lookup(offsets, indices.numel())
+        )
+        psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32)
+        if torch.is_grad_enabled():
+            result = _SlotBagFunction.apply(  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+                anchor, psw, vbe_output, self, plan, batch, optimizer, pooling
+            )
+            return cast(torch.Tensor, result)
+        output, _ = self.pool(plan, batch, psw, vbe_output, pooling, False)
+        return output
+
+    def _static_batch(self, lookups: int) -> _Batch:
+        static = self._static.get(lookups)
+        if static is None:
+
+            def buffer() -> torch.Tensor:
+                return torch.zeros(lookups, dtype=torch.int64, device=self._device)
+
+            static = _Batch(
+                indices=buffer(),
+                offsets=buffer(),
+                slots=buffer(),
+                unique_slots=buffer(),
+                inverse=buffer(),
+                bag_of_lookup=buffer(),
+                tick=0,
+                version=0,
+                num_bags=[],
+            )
+            self._static[lookups] = static
+        return static
+
+    def stage(
+        self, indices: torch.Tensor, offsets: torch.Tensor, batch_sizes: list[list[int]] | None
+    ) -> None:
+        """Before a replay of a captured forward of this batch: its slots (from its pending prefetch, else
+        assigned now, with host syncs) copied into the static buffers of its size, on the current stream
+        (made here if no forward of that size was captured yet, so a replay of no such capture trains
+        nothing)."""
+        static = self._static_batch(indices.numel())
+        match = self._find(indices, offsets, batch_sizes)
+        plan, _ = self._plan(indices, offsets, None, batch_sizes, None, None)
+        pending: _Batch | _Failed | None = None
+        if match is not None:
+            for _ in range(match):
+                self._retire(self._pending.popleft())
+            pending = self._pending.popleft()
+        if isinstance(pending, _Failed):
+            raise pending.error
+        self.counters["forwards"] += 1
+        if pending is None:
+            self.counters["forwards_without_prefetch"] += 1
+            batch = self._assign(plan, indices, offsets, "sync_fetched_rows")
+        else:
+            batch = pending
+        unique = batch.unique_slots.numel()
+        self.counters["forward_lookups"] += unique
+        self.counters["forward_hits"] += unique
+        self._wait_insert()
+        static.slots.copy_(batch.slots)
+        static.inverse.copy_(batch.inverse)
+        static.unique_slots[:unique].copy_(batch.unique_slots)
+        static.unique_slots[unique:].fill_(self.cache.trash)
+        if self._cuda:
+            stream = torch.cuda.current_stream(self._device)
+            for tensor in (batch.slots, batch.unique_slots, batch.inverse):
+                tensor.record_stream(stream)
+        self._staged.append(batch)
+
+    def replayed(self) -> None:
+        """After the replay of the staged batches was issued (on the current stream): their rows may move
+        again once that work is done (the next assignment waits for it before it reads or writes rows)."""
+        for batch in self._staged:
+            self.release(batch)
+        self._staged.clear()
+        self._record_main()
+
+    def captured_buffers(self) -> list[torch.Tensor]:
+        """The cache's tensors a captured forward and backward use by address (rows, state and flags; the
+        static slot buffers never change): a capture is stale once any of them is another tensor (the
+        cache grew its scratch pool)."""
+        cache = self.cache
+        return [cache.weights, cache.state, cache.dirty, cache.slot_tables, cache.dims_device]
+
     def flush(self) -> None:
         """Write every dirty row (device cache and host tier) to the store."""
         self._wait_insert()
@@ -250,6 +376,7 @@ class DevicePath:
         """Forget every cached row and pending prefetch (checkpoint restore, after :meth:`flush`)."""
         self._pending.clear()
         self._open.clear()
+        self._staged.clear()
         self.cache.clear()
         self._record_insert()  # the metadata cleared here: the next assignment waits for it
 
@@ -398,7 +525,7 @@ class DevicePath:
         keep_rows: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Step 3, forward: the output (module layout) and, if ``keep_rows``, the looked-up rows ``[N, D_max]``."""
-        if self._cuda:
+        if self._cuda and not self.in_capture():
             stream = torch.cuda.current_stream(self._device)
             for tensor in (batch.slots, batch.unique_slots, batch.inverse, batch.bag_of_lookup):
                 tensor.record_stream(stream)
@@ -431,7 +558,9 @@ class DevicePath:
         pooling: Literal["sum", "mean"],
     ) -> torch.Tensor | None:
         """Step 3, backward: apply the optimizer to the batch's slots; returns the per-sample-weight gradient."""
-        self._wait_insert()
+        capturing = self.in_capture()
+        if not capturing:  # a replay's stage waited for the insert, and replayed() records the stream
+            self._wait_insert()
         offsets = batch.offsets.to(torch.int64)
         grad_bags = grad_output.new_zeros(offsets.numel() - 1, self.cache.dmax)
         column = 0
@@ -452,8 +581,9 @@ class DevicePath:
             0, batch.inverse, grad_lookups
         )
         self.cache.update(batch.unique_slots, grad_rows, optimizer)
-        self.release(batch)
-        self._record_main()
+        if not capturing:
+            self.release(batch)
+            self._record_main()
         return grad_psw
 
     # ------------------------------------------------------------------ streams
@@ -479,6 +609,11 @@ class DevicePath:
     def feature_dims(self) -> list[int]:
         """Per feature, its ``D``."""
         return self._feature_dims
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream of ``device`` is capturing a graph (never on the CPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _bag_of_lookup(offsets: torch.Tensor, lookups: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ cache size or on timing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -189,6 +190,11 @@ class KeyValueEmbeddingBags(nn.Module):
         return self._tier.store
 
     @property
+    def cache_on_device(self) -> bool:
+        """Whether the cache is managed on the device (``cache_on_device``; CUDA graphs can record it)."""
+        return self._device_path is not None
+
+    @property
     def device(self) -> torch.device:
         """Where the cache, inputs and outputs live."""
         return self._device
@@ -304,6 +310,65 @@ class KeyValueEmbeddingBags(nn.Module):
         if self._device_path is not None:
             self._device_path.wait()
         self._prefetcher.wait()
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    @contextlib.contextmanager
+    def replaying(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        batch_size_per_feature_per_rank: list[list[int]] | None = None,
+    ) -> Iterator[None]:
+        """Around the replay of a CUDA graph that captured this module's forward (and backward) of a batch
+        of ``N = indices.numel()`` lookups: hands that batch's slots to the replay.
+
+        A forward recorded under ``torch.cuda.graph`` (device-managed cache only) reads each lookup's slot
+        from static buffers of its ``N`` instead of the pending prefetches, and its backward updates the
+        slots found there; no host work of the forward or backward runs on a replay. On entry the pending
+        prefetch of ``(indices, offsets)`` (matched as :meth:`forward` matches it; without one the batch gets
+        its slots now, with host syncs) is copied into those buffers on the current stream; on exit (after
+        the replay was issued) its rows may move again once the replay's work is done. Forward counters
+        advance here. A capture is stale once :meth:`captured_buffers` changes (the cache grew).
+
+            with kv.replaying(kv_indices, kv_offsets):
+                graph.replay()
+
+        Raises:
+            InvalidArgumentError: no device-managed cache.
+            Exception: a failed prefetch's store error (as the forward of that batch raises it).
+        """
+        self._check_open()
+        path = self._graph_path()
+        path.stage(indices, offsets, batch_size_per_feature_per_rank)
+        try:
+            yield
+        finally:
+            path.replayed()
+
+    @contextlib.contextmanager
+    def static_slots(self) -> Iterator[None]:
+        """Forwards inside read their slots from the static buffers, as under a CUDA graph capture (which
+        turns this on by itself): the captured code run eagerly, e.g. on the CPU, where a replay is a
+        second run of the same calls inside :meth:`replaying`."""
+        path = self._graph_path()
+        path.static_mode = True
+        try:
+            yield
+        finally:
+            path.static_mode = False
+
+    def captured_buffers(self) -> list[torch.Tensor]:
+        """The cache tensors a captured forward and backward use by address; once one of them is another
+        tensor (the cache grew its scratch pool), captures of this module are stale: record them again."""
+        return self._graph_path().captured_buffers()
+
+    def _graph_path(self) -> DevicePath:
+        if self._device_path is None:
+            raise InvalidArgumentError(
+                "CUDA graph replays need the device-managed cache (`cache_on_device=True`, the default on CUDA)"
+            )
+        return self._device_path
 
     def flush(self) -> None:
         """Write every dirty cached row to the store and make the store durable (``store.flush()``).

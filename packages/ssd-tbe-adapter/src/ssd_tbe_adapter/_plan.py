@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,8 +175,8 @@ def plan_batch(
                 raise InvalidArgumentError(
                     f"`vbe_output_offsets` must be [R={ranks}, F={num_features}] int64, got {describe(vbe_output_offsets)}"
                 )
-            starts: list[list[int]] = vbe_output_offsets.to("cpu", torch.int64).tolist()
-            layout = _vbe_blocks(batch_key, feature_dims, tuple(map(tuple, starts)), vbe_output.numel())
+            starts = _host_starts(vbe_output_offsets)
+            layout = _cached_vbe_blocks(batch_key, feature_dims, starts, vbe_output.numel())
         else:
             layout = _cached_vbe_blocks(batch_key, feature_dims, None, 0)
         blocks = [list(feature_blocks) for feature_blocks in layout[0]]
@@ -249,6 +250,30 @@ def _vbe_blocks(
 # The packed layouts of recent batch shapes (a prefetch and its forward plan the same batch; a trainer's
 # batches repeat a few shapes): the per-(rank, feature) loops run once per shape.
 _cached_vbe_blocks = functools.lru_cache(maxsize=256)(_vbe_blocks)
+
+# Host copies of `vbe_output_offsets` tensors, per tensor: a caller (vbe-lookup) keeps one such tensor per
+# batch layout, so reading its values once per tensor (not per call) takes the host sync off the step and
+# lets the forward run under CUDA graph capture. Keyed by id() with a weak reference that must still point
+# at the very tensor; an in-place change of the tensor (its version counter) reads it again.
+_MAX_STARTS = 256
+_starts_of: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[tuple[int, ...], ...]]] = {}
+_starts_lock = threading.Lock()
+
+
+def _host_starts(vbe_output_offsets: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """The values of ``vbe_output_offsets`` on the host (read once per tensor and version)."""
+    key, version = id(vbe_output_offsets), vbe_output_offsets._version
+    with _starts_lock:
+        cached = _starts_of.get(key)
+    if cached is not None and cached[0]() is vbe_output_offsets and cached[1] == version:
+        return cached[2]
+    rows: list[list[int]] = vbe_output_offsets.to("cpu", torch.int64).tolist()
+    starts = tuple(tuple(row) for row in rows)
+    with _starts_lock:
+        if len(_starts_of) >= _MAX_STARTS:
+            _starts_of.clear()
+        _starts_of[key] = (weakref.ref(vbe_output_offsets), version, starts)
+    return starts
 
 
 def check_offset_values(first: int, last: int, lookups: int, *, decreasing: bool = False) -> None:
