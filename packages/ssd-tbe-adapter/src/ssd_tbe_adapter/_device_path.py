@@ -296,9 +296,10 @@ class DevicePath:
     def _static_batch(self, lookups: int) -> _Batch:
         static = self._static.get(lookups)
         if static is None:
-
+            # `empty`, not `zeros`: under a capture a fill would be recorded, and every replay would wipe the
+            # slots staged for it. Staging writes them before any replay (or static-mode forward) reads them.
             def buffer() -> torch.Tensor:
-                return torch.zeros(lookups, dtype=torch.int64, device=self._device)
+                return torch.empty(lookups, dtype=torch.int64, device=self._device)
 
             static = _Batch(
                 indices=buffer(),
