@@ -1,4 +1,5 @@
-"""The whole training step as one CUDA graph replay, on a world of one rank with every table in one fbgemm TBE.
+"""The whole training step as one CUDA graph replay, on a world of one rank: its tables in one fbgemm TBE, and
+optionally key-value tables (ssd-tbe-adapter, device-managed cache) beside it.
 
 The dense part alone in graphs (:mod:`examples.dlrm.dense_graphs`) leaves the step host-bound on a GPU: the
 sparse input dist (~25 ops and a host read), the lookup, the KT regroup, the autograd engine walking the
@@ -24,6 +25,14 @@ one memory pool (replays are sequential; the loss is cloned out). Graphs are dro
 optimizer's state is no longer the tensors they captured (a ``load_state_dict``). The dense gradients come from
 ``torch.autograd.grad`` (never ``.grad``) and the lookup's backward runs from the pooled output's gradient, so no
 parameter's ``AccumulateGrad`` node (which outlives a step, on the stream it was made on) is part of a step.
+
+With key-value tables the lookup has two kernels. The padding then puts the features in kernel order and pads
+every feature to one id count ``C`` (``StepPadding(per_feature=True)``, a multiple of ``Bp / 16``), so each
+kernel's ids are a fixed slice and the lookup splits them by host counts it is handed (``length_per_key``),
+with no read. :meth:`StepGraphs.prefetch` (a pipeline stage on its own stream) maps the key-value slice of the
+next batch to cache slots; the captured key-value forward reads its slots from static buffers, which the
+kernel's ``replaying()`` fills before each replay and releases after it. Graphs are recorded again when the
+key-value cache's tensors change (``captured_buffers()``: the scratch pool grew).
 
 What the replay does not do: fbgemm's host-side ``step`` / ``timestep`` counters of the TBE module are not
 advanced (read only by UVM-cache and stats-reporter modes, which the direct path does not take); the input is not
