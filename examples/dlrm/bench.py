@@ -161,6 +161,7 @@ class BenchConfig:
     kv_max_rows: int
     cache_rows: int
     host_cache_rows: int
+    kv_device_cache: bool
     warmup: int
     steps: int
     profile_steps: int
@@ -185,6 +186,7 @@ class BenchConfig:
             kv_rows_threshold=TrainConfig(out=self.out).kv_rows_threshold if kv else NO_KV,
             cache_rows=self.cache_rows,
             host_cache_rows=self.host_cache_rows,
+            kv_device_cache=self.kv_device_cache,
             tbe=self.tbe,
             kv_store="rocksdb",
             batch_pool=self.batch_pool,
@@ -404,6 +406,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-rows", type=int, default=65536)
     p.add_argument("--host-cache-rows", type=int, default=0)
     p.add_argument(
+        "--kv-device-cache",
+        action="store_true",
+        help="key-value tables on the device-managed cache on CPU too",
+    )
+    p.add_argument(
         "--tbe", choices=["auto", "fbgemm", "torch"], default="auto", help="our in-memory tables' kernel"
     )
     p.add_argument("--json", type=Path)
@@ -459,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                     kv_max_rows=args.kv_max_rows,
                     cache_rows=args.cache_rows,
                     host_cache_rows=args.host_cache_rows,
+                    kv_device_cache=args.kv_device_cache,
                     tbe=args.tbe,
                     warmup=args.warmup,
                     steps=args.steps,

@@ -80,6 +80,7 @@ class TrainConfig:
     kv_max_rows: int = 10_000_000
     cache_rows: int = 4096
     host_cache_rows: int = 0
+    kv_device_cache: bool = False
     kv_store: str = "rocksdb"
     tbe: str = "auto"
     dense_lr: float = 0.05
@@ -149,6 +150,7 @@ class TrainConfig:
             ),
             cache_rows=self.cache_rows,
             host_cache_rows=self.host_cache_rows,
+            kv_cache_on_device=True if self.kv_device_cache else None,
             kv_store=self.kv_store,
             tbe=self.tbe,
             optimizer=self.optimizer,
@@ -1004,6 +1006,11 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         default=defaults.host_cache_rows,
         help="rows of a host-DRAM tier under each key-value kernel's device cache (CUDA; 0: none)",
     )
+    p.add_argument(
+        "--kv-device-cache",
+        action="store_true",
+        help="the key-value kernels' device-managed cache on the CPU too (CUDA's default; with its DRAM tier)",
+    )
     p.add_argument("--kv-store", choices=["rocksdb", "memory"], default=defaults.kv_store)
     p.add_argument("--tbe", choices=["auto", "fbgemm", "torch"], default=defaults.tbe)
     p.add_argument("--dense-lr", type=float, default=defaults.dense_lr)
@@ -1090,6 +1097,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         kv_max_rows=a.kv_max_rows,
         cache_rows=a.cache_rows,
         host_cache_rows=a.host_cache_rows,
+        kv_device_cache=a.kv_device_cache,
         kv_store=a.kv_store,
         tbe=a.tbe,
         dense_lr=a.dense_lr,
