@@ -202,46 +202,18 @@ class DevicePath:
 
         Uses the first pending prefetch of this batch (earlier ones are retired: their batches never came);
         without one the queue stays as it is and the batch gets its slots here (host syncs)."""
-        if self.in_capture():
-            return self._captured_forward(
-                anchor,
-                indices,
-                offsets,
-                per_sample_weights,
-                batch_sizes,
-                vbe_output,
-                vbe_output_offsets,
-                optimizer,
-                pooling,
-            )
-        match = self._find(indices, offsets, batch_sizes)
         # The plan before the queue changes (bad input raises first). The values of `offsets` were checked by
         # the prefetch, or are checked by the assignment below.
         plan, _ = self._plan(
             indices, offsets, per_sample_weights, batch_sizes, vbe_output, vbe_output_offsets
         )
-        pending: _Batch | _Failed | None = None
-        if match is not None:
-            for _ in range(match):
-                self._retire(self._pending.popleft())
-            pending = self._pending.popleft()
-        if isinstance(pending, _Failed):
-            raise pending.error
-        reuse = pending is not None
-        self.counters["forwards"] += 1
-        if reuse:
-            batch = cast(_Batch, pending)
-            if batch.offsets is not offsets:  # same ids, offsets rebuilt by the caller: bag each lookup anew
-                batch = replace(
-                    batch, offsets=offsets, bag_of_lookup=_bag_of_lookup(offsets, indices.numel())
-                )
-            self.counters["forward_lookups"] += batch.unique_slots.numel()
-            self.counters["forward_hits"] += batch.unique_slots.numel()
-        else:
-            self.counters["forwards_without_prefetch"] += 1
-            batch = self._assign(plan, indices, offsets, "sync_fetched_rows")
-        self._wait_insert()
         psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32)
+        if self.in_capture():
+            return self._captured_forward(anchor, plan, indices, offsets, psw, vbe_output, optimizer, pooling)
+        batch = self._take(plan, indices, offsets, self._find(indices, offsets, batch_sizes))
+        if batch.offsets is not offsets:  # same ids, offsets rebuilt by the caller: bag each lookup anew
+            batch = replace(batch, offsets=offsets, bag_of_lookup=_bag_of_lookup(offsets, indices.numel()))
+        self._wait_insert()
         if torch.is_grad_enabled():
             # Held until backward ran or the graph is gone, whichever comes first.
             weakref.finalize(batch, self._open.discard, batch.tick)
@@ -256,6 +228,24 @@ class DevicePath:
         self._record_main()
         return output
 
+    def _take(self, plan: Plan, indices: torch.Tensor, offsets: torch.Tensor, match: int | None) -> _Batch:
+        """A forward's (or a replay's) slots: the pending prefetch at ``match`` (the ones before it retired: their
+        batches never came; a failed one raises its store error), else assigned now (host syncs). Counted."""
+        pending: _Batch | _Failed | None = None
+        if match is not None:
+            for _ in range(match):
+                self._retire(self._pending.popleft())
+            pending = self._pending.popleft()
+        if isinstance(pending, _Failed):
+            raise pending.error
+        self.counters["forwards"] += 1
+        if pending is None:
+            self.counters["forwards_without_prefetch"] += 1
+            return self._assign(plan, indices, offsets, "sync_fetched_rows")
+        self.counters["forward_lookups"] += pending.unique_slots.numel()
+        self.counters["forward_hits"] += pending.unique_slots.numel()
+        return pending
+
     def in_capture(self) -> bool:
         """Whether a forward now is recorded for replays: the current CUDA stream captures a graph, or
         :attr:`static_mode` is on (the same code run eagerly, e.g. on the CPU)."""
@@ -264,12 +254,11 @@ class DevicePath:
     def _captured_forward(
         self,
         anchor: torch.Tensor,
+        plan: Plan,
         indices: torch.Tensor,
         offsets: torch.Tensor,
-        per_sample_weights: torch.Tensor | None,
-        batch_sizes: list[list[int]] | None,
+        psw: torch.Tensor | None,
         vbe_output: torch.Tensor | None,
-        vbe_output_offsets: torch.Tensor | None,
         optimizer: RowOptimizer,
         pooling: Literal["sum", "mean"],
     ) -> torch.Tensor:
@@ -277,14 +266,10 @@ class DevicePath:
         ``N = indices.numel()`` lookups, which :meth:`stage` fills before each replay (the unique slots padded
         to ``N`` with the trash slot, which a zero gradient leaves as it was). Nothing here reads the host
         queue or the events: staging and :meth:`replayed` do that around each replay."""
-        plan, _ = self._plan(
-            indices, offsets, per_sample_weights, batch_sizes, vbe_output, vbe_output_offsets
-        )
         static = self._static_batch(indices.numel())
         batch = replace(
             static, indices=indices, offsets=offsets, bag_of_lookup=_bag_of_lookup(offsets, indices.numel())
         )
-        psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32)
         if torch.is_grad_enabled():
             result = _SlotBagFunction.apply(  # type: ignore[no-untyped-call]  # untyped in torch's stubs
                 anchor, psw, vbe_output, self, plan, batch, optimizer, pooling
@@ -325,22 +310,8 @@ class DevicePath:
         static = self._static_batch(indices.numel())
         match = self._find(indices, offsets, batch_sizes)
         plan, _ = self._plan(indices, offsets, None, batch_sizes, None, None)
-        pending: _Batch | _Failed | None = None
-        if match is not None:
-            for _ in range(match):
-                self._retire(self._pending.popleft())
-            pending = self._pending.popleft()
-        if isinstance(pending, _Failed):
-            raise pending.error
-        self.counters["forwards"] += 1
-        if pending is None:
-            self.counters["forwards_without_prefetch"] += 1
-            batch = self._assign(plan, indices, offsets, "sync_fetched_rows")
-        else:
-            batch = pending
+        batch = self._take(plan, indices, offsets, match)
         unique = batch.unique_slots.numel()
-        self.counters["forward_lookups"] += unique
-        self.counters["forward_hits"] += unique
         self._wait_insert()
         static.slots.copy_(batch.slots)
         static.inverse.copy_(batch.inverse)
