@@ -360,7 +360,12 @@ class StepGraphs:
         return sorted(self._graphs)
 
     def step(self, batch: PaddedBatch) -> torch.Tensor:
-        """Train on ``batch`` (on the model's device); returns its loss (a new tensor, not synced)."""
+        """Train on ``batch`` (on the model's device); returns its loss (a new tensor, not synced).
+
+        A batch with key-value rows that did not go through :meth:`prefetch` is prefetched here first (before
+        the graphs' check: assigning slots may grow the key-value cache, which the graphs hold by address)."""
+        if self._kv and not batch.kv_inputs:
+            batch = self.prefetch(batch)
         key = batch.shape_key
         captured = self._graphs.get(key)
         if captured is not None and not self._still_valid(captured):

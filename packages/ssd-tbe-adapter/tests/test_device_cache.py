@@ -21,6 +21,7 @@ from ssd_tbe_adapter import (
     KeyValueEmbeddingBags,
     KVStore,
     MemoryStore,
+    StaleCaptureError,
     StoreIOError,
     TableSpec,
 )
@@ -223,20 +224,30 @@ def replayed_step(
         return out.detach()
 
     if replay == "static":
-        with module.replaying(indices, offsets, sizes), module.static_slots():
-            return forward_backward(indices, offsets, psw), psw
-    # A real capture: static inputs, recorded once (nothing runs), then one replay.
+        try:
+            with module.replaying(indices, offsets, sizes), module.static_slots():
+                return forward_backward(indices, offsets, psw), psw
+        except StaleCaptureError:  # staging grew the cache (no prefetch): the batch stays pending, retry
+            with module.replaying(indices, offsets, sizes), module.static_slots():
+                return forward_backward(indices, offsets, psw), psw
+    # A real capture: static inputs, recorded (nothing runs), then one replay; recorded again when staging the
+    # batch (without a prefetch) grew the cache the graph holds.
     static_ids, static_offsets = indices.clone(), offsets.clone()
     static_psw = None if psw is None else psw.detach().clone().requires_grad_(True)
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-    side.wait_stream(torch.cuda.current_stream(device))
-    torch.cuda.synchronize(device)
-    with torch.cuda.graph(graph, stream=side):
-        out = forward_backward(static_ids, static_offsets, static_psw)
-    with module.replaying(indices, offsets, sizes):
-        graph.replay()
-    return out, static_psw
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+        side.wait_stream(torch.cuda.current_stream(device))
+        torch.cuda.synchronize(device)
+        with torch.cuda.graph(graph, stream=side):
+            out = forward_backward(static_ids, static_offsets, static_psw)
+        try:
+            with module.replaying(indices, offsets, sizes):
+                graph.replay()
+        except StaleCaptureError:
+            continue
+        return out, static_psw
+    raise AssertionError("staging grew the cache twice for one batch")
 
 
 def stored_rows(module: KeyValueEmbeddingBags) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
@@ -376,6 +387,25 @@ def test_static_forward_reads_the_staged_slots() -> None:
         plain = module(other_ids, staged.offsets)
     torch.testing.assert_close(got, want)
     assert not torch.allclose(plain, want)
+    module.close()
+
+
+def test_staging_that_grows_the_cache_raises_stale_capture_and_keeps_the_batch() -> None:
+    """A replay staged without a prefetch whose assignment grows the cache (its scratch pool) raises
+    ``StaleCaptureError`` (the graph holds the old tensors) and keeps the batch's slots pending: the retry
+    (after a new capture) stages them and trains as the reference."""
+    module = make_module("cpu", on_device=True, cache_rows=0)
+    b = make_batches(1, vbe=False, seed=11)[0]
+    before = module.captured_buffers()
+    with pytest.raises(StaleCaptureError, match="record it again"), module.replaying(b.indices, b.offsets):
+        pass
+    assert any(x is not y for x, y in zip(before, module.captured_buffers(), strict=True))
+    fetched = module.metrics()["sync_fetched_rows"]
+    with torch.no_grad(), module.replaying(b.indices, b.offsets), module.static_slots():
+        got = module(b.indices, b.offsets)
+    assert module.metrics()["sync_fetched_rows"] == fetched  # the kept slots, not a second assignment
+    with torch.no_grad():
+        torch.testing.assert_close(got, module(b.indices, b.offsets))
     module.close()
 
 

@@ -44,7 +44,7 @@ from ssd_tbe_adapter._optimizer import RowOptimizer
 from ssd_tbe_adapter._plan import Plan, check_offset_values, plan_batch
 from ssd_tbe_adapter._row_moves import moves_on_device
 from ssd_tbe_adapter._tier import CacheTier
-from ssd_tbe_adapter.errors import InvalidArgumentError
+from ssd_tbe_adapter.errors import InvalidArgumentError, StaleCaptureError
 
 __all__ = ["DevicePath"]
 
@@ -310,7 +310,15 @@ class DevicePath:
         static = self._static_batch(indices.numel())
         match = self._find(indices, offsets, batch_sizes)
         plan, _ = self._plan(indices, offsets, None, batch_sizes, None, None)
+        captured = self.captured_buffers()
         batch = self._take(plan, indices, offsets, match)
+        if any(a is not b for a, b in zip(captured, self.captured_buffers(), strict=True)):
+            self._pending.appendleft(batch)  # still this batch's slots, for the retried replay or forward
+            raise StaleCaptureError(
+                "staging a batch without a prefetch grew the key-value cache: the graph to replay holds its "
+                "old tensors; record it again (captured_buffers() changed) and replay, or prefetch the batch "
+                "before checking captured_buffers()"
+            )
         unique = batch.unique_slots.numel()
         self._wait_insert()
         static.slots.copy_(batch.slots)

@@ -336,6 +336,8 @@ class KeyValueEmbeddingBags(nn.Module):
 
         Raises:
             InvalidArgumentError: no device-managed cache.
+            StaleCaptureError: the batch had no prefetch and assigning its slots here grew the cache (the
+                graph holds the old tensors); the batch stays pending for the retry after a new capture.
             Exception: a failed prefetch's store error (as the forward of that batch raises it).
         """
         self._check_open()

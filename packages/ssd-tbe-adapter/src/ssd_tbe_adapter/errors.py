@@ -19,6 +19,7 @@ __all__ = [
     "RowsNotRestoredWarning",
     "SSDTBEAdapterError",
     "SchemaMismatchError",
+    "StaleCaptureError",
     "StoreClosedError",
     "StoreCorruptError",
     "StoreIOError",
@@ -74,6 +75,12 @@ class StoreClosedError(SSDTBEAdapterError, RuntimeError):
 
 class ModuleClosedError(SSDTBEAdapterError, RuntimeError):
     """An operation was attempted on a ``KeyValueEmbeddingBags`` after `close()`."""
+
+
+class StaleCaptureError(SSDTBEAdapterError, RuntimeError):
+    """A replay's staging had to assign a batch's slots itself (no prefetch) and that grew the cache: the CUDA
+    graph about to replay holds the old cache tensors. The batch stays pending; record the graph again (after
+    :meth:`~ssd_tbe_adapter.KeyValueEmbeddingBags.captured_buffers` changed) and replay, or prefetch first."""
 
 
 class StoreUnavailableError(SSDTBEAdapterError, ImportError):
