@@ -215,11 +215,16 @@ def replayed_step(
     """One forward + backward of ``(out * probe).sum()`` as a graph replay would run it (see :func:`train`);
     returns the output and the leaf holding the psw gradient."""
     device = module.device
+    dims = [TABLES[t].dim for t in FTM]
+    if sizes is None:  # [B, sum(D)]
+        shape: tuple[int, ...] = ((offsets.numel() - 1) // len(FTM), sum(dims))
+    else:  # 1-D, rank -> feature -> sample -> dim
+        shape = (sum(sum(per_rank) * dim for per_rank, dim in zip(sizes, dims, strict=True)),)
+    # Made before any capture: a host-to-device copy cannot be recorded.
+    probe = torch.randn(shape, generator=torch.Generator().manual_seed(1000 + step)).to(device)
 
     def forward_backward(ids: torch.Tensor, offs: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         out: torch.Tensor = module(ids, offs, weights, sizes)
-        gen = torch.Generator().manual_seed(1000 + step)
-        probe = torch.randn(out.shape, generator=gen).to(device)
         torch.autograd.backward((out * probe).sum())
         return out.detach()
 
