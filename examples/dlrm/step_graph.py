@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -419,8 +420,16 @@ class StepGraphs:
             self._features(captured.inputs[1], captured.inputs[2], batch.batch.batch_size)
         )
         torch.cuda.synchronize()  # once per shape: the eager steps' work is done before the capture starts
-        with torch.cuda.graph(captured.graph, pool=self._pool, stream=self._stream):
-            captured.loss = self._train(*captured.inputs)
+        # No cyclic garbage collection during the capture: a dropped graph destroyed then voids the capture.
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(captured.graph, pool=self._pool, stream=self._stream):
+                captured.loss = self._train(*captured.inputs)
+        finally:
+            if collecting:
+                gc.enable()
         self._graphs[batch.shape_key] = captured
         return captured
 

@@ -4,6 +4,7 @@ batches ahead; forced on the CPU and, marked ``gpu``, on CUDA."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import warnings
 from collections.abc import Sequence
@@ -203,6 +204,9 @@ def train(
     return outputs, grads
 
 
+_GRAPHS: list[torch.cuda.CUDAGraph] = []
+
+
 def replayed_step(
     module: KeyValueEmbeddingBags,
     indices: torch.Tensor,
@@ -241,11 +245,17 @@ def replayed_step(
     static_psw = None if psw is None else psw.detach().clone().requires_grad_(True)
     for _ in range(2):
         graph = torch.cuda.CUDAGraph()
+        _GRAPHS.append(graph)  # kept: a graph destroyed (cyclic garbage) during a later capture voids it
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         side.wait_stream(torch.cuda.current_stream(device))
         torch.cuda.synchronize(device)
-        with torch.cuda.graph(graph, stream=side):
-            out = forward_backward(static_ids, static_offsets, static_psw)
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, stream=side):
+                out = forward_backward(static_ids, static_offsets, static_psw)
+        finally:
+            gc.enable()
         try:
             with module.replaying(indices, offsets, sizes):
                 graph.replay()

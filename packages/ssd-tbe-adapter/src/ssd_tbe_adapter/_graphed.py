@@ -9,6 +9,7 @@ captures; each graph has its own memory pool. Elsewhere than on CUDA every call 
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -94,6 +95,9 @@ class GraphedCalls(Generic[T]):
         current = torch.cuda.current_stream(self._device)
         side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
         side.wait_stream(current)
+        collecting = gc.isenabled()
+        gc.collect()  # dead graphs in reference cycles go now: destroying a graph during a capture voids it
+        gc.disable()
         try:
             # thread_local: other threads (a DataLoader's pin-memory thread) may allocate while this one captures.
             with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
@@ -102,6 +106,9 @@ class GraphedCalls(Generic[T]):
             self._uncapturable.add(key)
             warnings.warn(f"{self._name}: CUDA graph capture failed, running eagerly: {error}", stacklevel=3)
             return None
+        finally:
+            if collecting:
+                gc.enable()
         current.wait_stream(side)
         entry = _Entry(graph=graph, inputs=static, output=output)
         self._entries[key] = entry
