@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -304,6 +304,8 @@ class StepGraphs:
             self.feature_order = tuple(model.sparse_feature_names)
         self.per_feature = len(lookup.groups) > 1
         self._kv: list[tuple[KeyValueEmbeddingBags, int, int]] = []  # kernel, first feature, features
+        # prefetch_after_step's prefetches not issued yet: (kernels' inputs, Bp, stream)
+        self._deferred: deque[tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], int, Any]] = deque()
         first = 0
         for group in lookup.groups:
             if isinstance(group.kernel, KeyValueEmbeddingBags):
@@ -331,12 +333,35 @@ class StepGraphs:
         return bool(self._kv)
 
     def prefetch(self, batch: PaddedBatch) -> PaddedBatch:
-        """Prefetch the key-value rows of ``batch`` (on the device) on the current stream (a pipeline's prefetch
-        stage); returns it with the ids and offsets each kernel's prefetch saw."""
+        """Prefetch the key-value rows of ``batch`` (on the device) on the current stream; returns it with the ids
+        and offsets each kernel's prefetch saw."""
         inputs = self._kv_inputs(batch)
-        for (kernel, _, features), (ids, offsets) in zip(self._kv, inputs, strict=True):
-            kernel.prefetch(ids, offsets, [[batch.batch.batch_size]] * features)
+        self._prefetch_now(inputs, batch.batch.batch_size)
         return dataclasses.replace(batch, kv_inputs=inputs)
+
+    def prefetch_after_step(self, batch: PaddedBatch) -> PaddedBatch:
+        """A pipeline's prefetch stage: :meth:`prefetch`, its work issued on the current stream right after the
+        next :meth:`step` issued its replay (so its host work and its one sync overlap that replay on the GPU),
+        or at the start of the step of ``batch`` itself if that comes first."""
+        inputs = self._kv_inputs(batch)
+        stream = torch.cuda.current_stream() if inputs and inputs[0][0].is_cuda else None
+        self._deferred.append((inputs, batch.batch.batch_size, stream))
+        return dataclasses.replace(batch, kv_inputs=inputs)
+
+    def _prefetch_now(self, inputs: tuple[tuple[torch.Tensor, torch.Tensor], ...], padded: int) -> None:
+        for (kernel, _, features), (ids, offsets) in zip(self._kv, inputs, strict=True):
+            kernel.prefetch(ids, offsets, [[padded]] * features)
+
+    def _run_deferred(self, through: PaddedBatch | None) -> None:
+        """The deferred prefetches, in order: up to and including ``through``'s (if it is deferred), or all."""
+        if through is not None and not any(entry[0] is through.kv_inputs for entry in self._deferred):
+            return
+        while self._deferred:
+            inputs, padded, stream = self._deferred.popleft()
+            with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+                self._prefetch_now(inputs, padded)
+            if through is not None and inputs is through.kv_inputs:
+                return
 
     def _kv_inputs(self, batch: PaddedBatch) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """Per key-value kernel, its slice of the batch's ids (every feature holds ``C`` of them) and its bags'
@@ -367,6 +392,13 @@ class StepGraphs:
         the graphs' check: assigning slots may grow the key-value cache, which the graphs hold by address)."""
         if self._kv and not batch.kv_inputs:
             batch = self.prefetch(batch)
+        self._run_deferred(batch)  # its own prefetch, if it is still deferred
+        try:
+            return self._step(batch)
+        finally:
+            self._run_deferred(None)  # the next batches' prefetches, behind this step's work
+
+    def _step(self, batch: PaddedBatch) -> torch.Tensor:
         key = batch.shape_key
         captured = self._graphs.get(key)
         if captured is not None and not self._still_valid(captured):

@@ -509,7 +509,11 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
                     stream=_new_stream(device),
                 ),
                 *(
-                    [PipelineStage(name="prefetch", runnable=graphed.prefetch, stream=_new_stream(device))]
+                    [
+                        PipelineStage(
+                            name="prefetch", runnable=graphed.prefetch_after_step, stream=_new_stream(device)
+                        )
+                    ]
                     if graphed.prefetches
                     else []
                 ),

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from examples.dlrm.data import SPARSE_FEATURES, DLRMBatch, SyntheticCriteo
 from examples.dlrm.embeddings import build_sharded_tables
 from examples.dlrm.model import DLRM
-from examples.dlrm.step_graph import StepGraphs, StepPadding
+from examples.dlrm.step_graph import PaddedBatch, StepGraphs, StepPadding
 from examples.dlrm.train import TrainConfig, dense_optimizer, new_model
 from ssd_tbe_adapter import KeyValueEmbeddingBags
 from vbe_lookup import GroupedVBELookup
@@ -204,12 +204,20 @@ def test_padded_whole_step_with_key_value_tables_trains_as_the_unpadded_step(tmp
     assert graphs.per_feature
     assert graphs.prefetches
     padding = graphs.padding((16, 32, 48))
-    for batch in batches:
+    # Half the steps prefetched at once, half as the pipeline does it: the next batch's prefetch handed over
+    # before this step and issued after its replay (prefetch_after_step).
+    ahead: PaddedBatch | None = None
+    for k, batch in enumerate(batches):
         eager_opt.zero_grad(set_to_none=True)
         loss = eager.train_loss(batch)
         loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is unannotated in torch
         eager_opt.step()
-        padded = graphs.prefetch(padding(batch))
+        if k < 4:
+            padded = graphs.prefetch(padding(batch))
+        else:  # batch 4's prefetch runs at the start of its own step, the later ones after the step before
+            padded = ahead if ahead is not None else graphs.prefetch_after_step(padding(batch))
+            if k + 1 < len(batches):
+                ahead = graphs.prefetch_after_step(padding(batches[k + 1]))
         assert len(padded.kv_inputs) == 1
         torch.testing.assert_close(graphs.step(padded), loss.detach())
     kv_a, kv_b = (_key_value_kernel(m) for m in (eager, whole))
