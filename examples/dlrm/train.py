@@ -499,7 +499,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
     sdd: SparseDataDistUtil | None = None
     if config.pipeline and step_graphs is not None:
         # The sparse input dist is inside the graph (one rank): the pipeline copies the next batch ahead and,
-        # with key-value tables, prefetches its rows (on its own stream) while the current step replays.
+        # with key-value tables, prefetches its rows (on its own stream) right after the current step replays.
         graphed = step_graphs
         pipeline = StagedTrainPipeline(
             pipeline_stages=[
