@@ -30,8 +30,9 @@ With key-value tables the lookup has two kernels. The padding then puts the feat
 every feature to one id count ``C`` (``StepPadding(per_feature=True)``, a multiple of ``Bp / 16``), so each
 kernel's ids are a fixed slice and the lookup splits them by host counts it is handed (``length_per_key``),
 with no read. :meth:`StepGraphs.prefetch_after_step` (a pipeline stage on its own stream) maps the key-value
-slice of the next batch to cache slots, its work issued right after the current step's replay; the captured key-value forward reads its slots from static buffers, which the
-kernel's ``replaying()`` fills before each replay and releases after it. Graphs are recorded again when the
+slice of the next batch to cache slots, its work issued right after the current step's replay; the captured
+key-value forward reads its slots from static buffers, which the kernel's ``replaying()`` fills before each
+replay and releases after it. Graphs are recorded again when the
 key-value cache's tensors change (``captured_buffers()``: the scratch pool grew).
 
 What the replay does not do: fbgemm's host-side ``step`` / ``timestep`` counters of the TBE module are not

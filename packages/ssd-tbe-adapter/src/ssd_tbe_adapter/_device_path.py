@@ -228,9 +228,12 @@ class DevicePath:
         self._record_main()
         return output
 
-    def _take(self, plan: Plan, indices: torch.Tensor, offsets: torch.Tensor, match: int | None) -> _Batch:
+    def _take(
+        self, plan: Plan | None, indices: torch.Tensor, offsets: torch.Tensor, match: int | None
+    ) -> _Batch:
         """A forward's (or a replay's) slots: the pending prefetch at ``match`` (the ones before it retired: their
-        batches never came; a failed one raises its store error), else assigned now (host syncs). Counted."""
+        batches never came; a failed one raises its store error), else assigned now (host syncs; ``plan`` is
+        needed then only). Counted."""
         pending: _Batch | _Failed | None = None
         if match is not None:
             for _ in range(match):
@@ -240,6 +243,7 @@ class DevicePath:
             raise pending.error
         self.counters["forwards"] += 1
         if pending is None:
+            assert plan is not None  # the callers plan whenever no prefetch matched
             self.counters["forwards_without_prefetch"] += 1
             return self._assign(plan, indices, offsets, "sync_fetched_rows")
         self.counters["forward_lookups"] += pending.unique_slots.numel()
@@ -283,16 +287,18 @@ class DevicePath:
         if static is None:
             # `empty`, not `zeros`: under a capture a fill would be recorded, and every replay would wipe the
             # slots staged for it. Staging writes them before any replay (or static-mode forward) reads them.
+            # Only the slot tensors are buffers: the ids, offsets and bags are the captured forward's own.
             def buffer() -> torch.Tensor:
                 return torch.empty(lookups, dtype=torch.int64, device=self._device)
 
+            unused = torch.empty(0, dtype=torch.int64, device=self._device)
             static = _Batch(
-                indices=buffer(),
-                offsets=buffer(),
+                indices=unused,
+                offsets=unused,
                 slots=buffer(),
                 unique_slots=buffer(),
                 inverse=buffer(),
-                bag_of_lookup=buffer(),
+                bag_of_lookup=unused,
                 tick=0,
                 version=0,
                 num_bags=[],
@@ -309,7 +315,8 @@ class DevicePath:
         nothing)."""
         static = self._static_batch(indices.numel())
         match = self._find(indices, offsets, batch_sizes)
-        plan, _ = self._plan(indices, offsets, None, batch_sizes, None, None)
+        # A matched prefetch was planned (and its input checked) at its call: plan only to assign here.
+        plan = None if match is not None else self._plan(indices, offsets, None, batch_sizes, None, None)[0]
         captured = self.captured_buffers()
         batch = self._take(plan, indices, offsets, match)
         if any(a is not b for a, b in zip(captured, self.captured_buffers(), strict=True)):
