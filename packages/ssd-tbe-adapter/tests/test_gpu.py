@@ -105,3 +105,25 @@ def test_cuda_matches_cpu(
     assert cuda_rows.keys() == cpu_rows.keys()
     for i in cpu_rows:
         torch.testing.assert_close(cuda_rows[i], cpu_rows[i], atol=tol["atol"], rtol=tol["rtol"])
+
+
+@pytest.mark.gpu
+def test_graphed_bench_rows_replay_the_prefetched_step(tmp_path: Path) -> None:
+    """``bench --graphed`` on CUDA: the graphed key-value rows replay every measured step from their
+    prefetched slots (recorded at most a few times, every forward hit), beside the TBE's graphed row."""
+    from ssd_tbe_adapter.bench import QUICK, run_case
+
+    results = run_case(
+        QUICK[0],
+        torch.device("cuda"),
+        tmp_path,
+        {"kv-device-dram-graphed", "kv-device-memstore-graphed", "kv-device-dram-prefetch"},
+        graphed=True,
+    )
+    rows = {r["impl"]: r for r in results}
+    for name in ("kv-device-dram-graphed", "kv-device-memstore-graphed"):
+        assert 1 <= rows[name]["captures"] <= 3
+        assert rows[name]["forward_hit_rate"] == 1.0
+        assert 0 < rows[name]["p10_ms"] <= rows[name]["median_ms"] <= rows[name]["p90_ms"]
+    if "fbgemm-tbe" in rows:
+        assert rows["fbgemm-tbe-graphed"]["median_ms"] > 0

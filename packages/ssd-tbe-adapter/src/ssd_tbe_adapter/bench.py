@@ -24,6 +24,17 @@ These four use the host-managed cache (``cache_on_device=False``). With the devi
 - ``kv-device-dram-prefetch``: RocksDB behind a host-DRAM tier loaded with every row before the warm-up
   (``host_cache_rows`` = all rows of the tables), so in steady state no store traffic.
 
+With ``--graphed`` (CUDA) two more rows and the TBE's own graphed row, each step recorded once in a CUDA graph
+(forward + backward of the summed output, over static copies of the batch's ids and offsets: every batch of a
+case has the same shape) and replayed:
+
+- ``fbgemm-tbe-graphed``: the all-in-HBM TBE's step replayed (its host launch work gone: the like-for-like
+  comparison for the graphed key-value rows);
+- ``kv-device-dram-graphed`` / ``kv-device-memstore-graphed``: ``kv-device-dram-prefetch`` /
+  ``kv-device-memstore-prefetch`` with the step replayed inside ``replaying`` and ``prefetch(batch k+1)``
+  issued right after the replay (a graphed train step's order); re-recorded when ``captured_buffers()``
+  change.
+
 With ``--pipelined`` (CUDA) these three issue ``prefetch(batch i+1)`` on a side stream after ``forward(batch i)``
 and its backward are queued instead (a train pipeline's order: the prefetch can overlap the backward).
 
@@ -57,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import json
 import operator
@@ -87,7 +99,7 @@ from ssd_tbe_adapter._store import (
     write_batch,
 )
 from ssd_tbe_adapter._version import __version__
-from ssd_tbe_adapter.errors import StoreCorruptError
+from ssd_tbe_adapter.errors import StaleCaptureError, StoreCorruptError
 
 __all__ = ["main"]
 
@@ -96,6 +108,11 @@ MAX_IO_THREADS = max(2, min(4, os.cpu_count() or 2))
 ALT_IO_THREADS = 2 if default_io_threads() == 1 else 1
 VARIANT = f"kv-prefetch-io{ALT_IO_THREADS}"
 DEVICE_ROWS = ("kv-device-prefetch", "kv-device-memstore-prefetch", "kv-device-dram-prefetch")
+TBE_GRAPHED = "fbgemm-tbe-graphed"
+KV_GRAPHED = {
+    "kv-device-dram-graphed": "kv-device-dram-prefetch",
+    "kv-device-memstore-graphed": "kv-device-memstore-prefetch",
+}
 _SEED = 1  # of the batches (and so of each table's hot set)
 
 
@@ -193,6 +210,72 @@ def _timed(device: torch.device, step: Callable[[], None]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+class _GraphedStep:
+    """One implementation's step recorded once in a CUDA graph and replayed (``--graphed``).
+
+    ``body(ids, offsets)`` (forward + backward) is recorded over static copies of the first batch's ids and
+    offsets on a side stream, without cyclic GC (a graph dropped mid-capture would void it); each step copies
+    its batch into them and replays. With a key-value ``module`` the replay runs inside ``replaying`` (which
+    hands the batch's prefetched slots to the graph) and is recorded again when the module's
+    ``captured_buffers()`` are other tensors than at the capture (its scratch pool grew).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        body: Callable[[torch.Tensor, torch.Tensor], None],
+        module: KeyValueEmbeddingBags | None = None,
+    ) -> None:
+        self._device = device
+        self._body = body
+        self._module = module
+        self._graph: Any = None
+        self._static: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._buffers: list[int] = []
+        self._old: list[Any] = []  # replaced graphs stay alive (see above)
+        self.captures = 0
+
+    def _capture(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+        if self._graph is not None:
+            self._old.append(self._graph)
+        self._static = (indices.clone(), offsets.clone())
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        torch.cuda.synchronize(self._device)
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, stream=side):
+                self._body(*self._static)
+        finally:
+            gc.enable()
+        self._graph = graph
+        self._buffers = self._addresses()
+        self.captures += 1
+
+    def _addresses(self) -> list[int]:
+        return [] if self._module is None else [t.data_ptr() for t in self._module.captured_buffers()]
+
+    def __call__(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+        for _ in range(2):
+            if self._graph is None or self._buffers != self._addresses():
+                self._capture(indices, offsets)
+            assert self._static is not None
+            self._static[0].copy_(indices)
+            self._static[1].copy_(offsets)
+            if self._module is None:
+                self._graph.replay()
+                return
+            try:
+                with self._module.replaying(indices, offsets):
+                    self._graph.replay()
+                return
+            except StaleCaptureError:  # staging grew the cache: the batch stays pending, record again
+                self._buffers = []  # the next pass records again
+        raise RuntimeError("the key-value module's cache grew twice for one batch")
+
+
 def run_case(
     case: Case,
     device: torch.device,
@@ -200,8 +283,11 @@ def run_case(
     only: set[str] | None = None,
     *,
     pipelined: bool = False,
+    graphed: bool = False,
 ) -> list[dict[str, Any]]:
     """Every implementation of one case (or those named in ``only``), interleaved; one result row each.
+
+    ``graphed`` (CUDA): also the rows of :class:`_GraphedStep` (the TBE's and two key-value rows).
 
     ``pipelined`` (CUDA): the device-cache rows issue ``prefetch(batch k+1)`` on a side stream *after*
     ``forward(batch k)`` and its backward are queued on the current stream, as a train pipeline's prefetch
@@ -233,9 +319,35 @@ def run_case(
 
         impls["fbgemm-tbe"] = tbe_step
         resident["fbgemm-tbe"] = case.tables * case.rows * (case.dim + 1) * 4
+        if graphed:
+            graphed_tbe = fbgemm.codegen(
+                [(case.rows, case.dim, location, compute)] * case.tables,
+                optimizer=fbgemm.optim_type.EXACT_ROWWISE_ADAGRAD,
+                learning_rate=0.01,
+                eps=1e-8,
+                device=device,
+            )
+            replay_tbe = _GraphedStep(device, lambda ids, offs: graphed_tbe(ids, offs).sum().backward())
+
+            def tbe_graphed_step(k: int) -> None:
+                if k < 3:  # eager first: the TBE allocates its workspaces lazily
+                    graphed_tbe(*batches[k]).sum().backward()
+                else:
+                    replay_tbe(*batches[k])
+
+            impls[TBE_GRAPHED] = tbe_graphed_step
+            resident[TBE_GRAPHED] = resident["fbgemm-tbe"]
 
     io_threads = {VARIANT: ALT_IO_THREADS, FLOOR: MAX_IO_THREADS}
-    names: tuple[str, ...] = ("kv-sync", "kv-prefetch", VARIANT, "kv-memstore-prefetch", *DEVICE_ROWS, FLOOR)
+    names: tuple[str, ...] = (
+        "kv-sync",
+        "kv-prefetch",
+        VARIANT,
+        "kv-memstore-prefetch",
+        *DEVICE_ROWS,
+        *(KV_GRAPHED if graphed else ()),
+        FLOOR,
+    )
     if only is not None:  # the floor replays kv-prefetch's store traffic: it needs that row
         names = tuple(n for n in names if n in only and (n != FLOOR or "kv-prefetch" in only))
     for name in names:
@@ -252,7 +364,7 @@ def run_case(
             optimizer="rowwise_adagrad",
             learning_rate=0.01,
             device=device,
-            cache_on_device=name in DEVICE_ROWS,
+            cache_on_device=name in DEVICE_ROWS or name in KV_GRAPHED,
             host_cache_rows=int(case.tables * case.rows * case.host_fraction) if "dram" in name else 0,
         )
         if case.prefill:
@@ -281,12 +393,27 @@ def run_case(
         module(indices, offsets).sum().backward()
         module.wait_prefetch()
 
+    replays: dict[str, _GraphedStep] = {}
+
+    def graphed_step(name: str, k: int) -> None:
+        module = modules[name]
+        if name not in replays:
+            replays[name] = _GraphedStep(device, lambda ids, offs: module(ids, offs).sum().backward(), module)
+        replays[name](*batches[k])
+        module.prefetch(*batches[k + 1])  # right after the replay is issued: it overlaps the replay
+        module.wait_prefetch()
+
     if "kv-sync" in modules:
         impls["kv-sync"] = sync_step
     for name in ("kv-prefetch", VARIANT, "kv-memstore-prefetch", *DEVICE_ROWS):
         if name not in modules:
             continue
         impls[name] = lambda k, name=name: prefetch_step(name, k)  # type: ignore[misc]
+        modules[name].prefetch(*batches[0])
+    for name in KV_GRAPHED:
+        if name not in modules:
+            continue
+        impls[name] = lambda k, name=name: graphed_step(name, k)  # type: ignore[misc]
         modules[name].prefetch(*batches[0])
 
     times: dict[str, list[float]] = {name: [] for name in impls}
@@ -337,6 +464,8 @@ def run_case(
             row["vs_tbe"] = float(quantiles[1]) / tbe_median
             if name == FLOOR:
                 row["bound_vs_tbe"] = max(tbe_median, float(quantiles[1])) / tbe_median
+        if name in replays:
+            row["captures"] = replays[name].captures
         if name in modules:
             m = modules[name].metrics()
             row["cache_hit_rate"] = m["cache_hit_rate"]
@@ -846,12 +975,20 @@ def main(argv: list[str] | None = None) -> None:
         "K threads, LMDB when importable) and how much each slows a concurrent Python thread",
     )
     parser.add_argument(
+        "--graphed",
+        action="store_true",
+        help="CUDA: also the TBE's and two device-cache key-value rows with each step recorded once in a "
+        "CUDA graph and replayed (the key-value prefetch of batch k+1 issued right after the replay)",
+    )
+    parser.add_argument(
         "--pipelined",
         action="store_true",
         help="CUDA: the kv-device-* rows prefetch batch k+1 on a side stream after batch k's backward is "
         "queued (a train pipeline's order; lets the prefetch overlap the backward)",
     )
     args = parser.parse_args(argv)
+    if args.graphed and args.device == "cpu":
+        parser.error("--graphed needs CUDA (it records CUDA graphs)")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -875,7 +1012,9 @@ def main(argv: list[str] | None = None) -> None:
             results = [
                 row
                 for case in cases
-                for row in run_case(case, device, workdir / case.name, only, pipelined=args.pipelined)
+                for row in run_case(
+                    case, device, workdir / case.name, only, pipelined=args.pipelined, graphed=args.graphed
+                )
             ]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -897,6 +1036,7 @@ def main(argv: list[str] | None = None) -> None:
             + (f" --steps {args.steps}" if args.steps else "")
             + (f" --only {args.only}" if args.only else "")
             + (" --pipelined" if args.pipelined else "")
+            + (" --graphed" if args.graphed else "")
             + (" --store-io" if args.store_io else ""),
             "threads": torch.get_num_threads(),
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
