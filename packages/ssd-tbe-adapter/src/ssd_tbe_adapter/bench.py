@@ -273,7 +273,9 @@ class _GraphedStep:
                 return
             except StaleCaptureError:  # staging grew the cache: the batch stays pending, record again
                 self._buffers = []  # the next pass records again
-        raise RuntimeError("the key-value module's cache grew twice for one batch")
+        raise StaleCaptureError(
+            "the key-value module's cache grew twice for one batch: `--graphed` cannot record it"
+        )
 
 
 def run_case(

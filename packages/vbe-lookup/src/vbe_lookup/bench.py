@@ -11,6 +11,11 @@ Compares, in one run, interleaved, medians:
 - on CUDA with fbgemm, ``fbgemm-chain-2``: fbgemm's own ``vbe_output`` chain without our per-layout
   VBE-metadata cache (fbgemm rebuilds it on the host every call), the issue's 1.73 ms baseline.
 
+With ``--graphed`` (CUDA), also ``graphed-single`` and ``graphed-preallocated-K``: the same lookups with
+each of the case's input batches' steps recorded once in a CUDA graph (after the eager rows warmed their
+per-layout caches) and replayed: one launch per step whatever the number of kernels, so the rows give the
+lookups' GPU cost without their host launch work (what a step captured whole, as examples/dlrm's, pays).
+
 With ``--sharded``, also the sharded module's full training step (``sharded-tw``: table-wise,
 ``sharded-rw``: row-wise; input dist, lookup, output dist, backward) on a process group of
 ``--sharded-world`` ranks (gloo on CPU, spawned; NCCL with one rank on CUDA), each rank a local batch of
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import itertools
 import json
 import platform
@@ -148,6 +154,33 @@ def _make_step(lookup: GroupedVBELookup, inputs: list[VBEFeatures], mode: str) -
     return step
 
 
+def _graphed_step(step: Callable[[int], None], num_inputs: int) -> Callable[[int], None]:
+    """``step`` recorded in a CUDA graph once per input batch (``i % num_inputs``), on a side stream without
+    cyclic GC (a graph dropped mid-capture voids it), then replayed; the inputs stay the same tensors, so
+    the graph reads them where they are."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def replay(i: int) -> None:
+        j = i % num_inputs
+        graph = graphs.get(j)
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+            side.wait_stream(torch.cuda.current_stream())
+            torch.cuda.synchronize()
+            gc.collect()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph, stream=side):
+                    step(j)
+            finally:
+                gc.enable()
+            graphs[j] = graph
+        graph.replay()
+
+    return replay
+
+
 def _event() -> torch.cuda.Event:
     event: torch.cuda.Event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # untyped in torch
     return event
@@ -264,9 +297,14 @@ def _run(args: argparse.Namespace, device: torch.device, kind: str) -> list[dict
     results: list[dict[str, Any]] = []
     for mode in ("fwd", "fwd+bwd"):
         steps = {impl.name: _make_step(impl.lookup, inputs, mode) for impl in impls}
+        kernels = {impl.name: impl.kernels for impl in impls}
+        if args.graphed:  # after the eager rows (insertion order): their warm-up fills the layout caches
+            for impl in impls:
+                if impl.name == "single" or impl.name.removeprefix("preallocated-").isdigit():
+                    steps[f"graphed-{impl.name}"] = _graphed_step(steps[impl.name], len(inputs))
+                    kernels[f"graphed-{impl.name}"] = impl.kernels
         host, gpu = _time_interleaved(steps, len(inputs), args, cuda)
-        for impl in impls:
-            name = impl.name
+        for name in steps:
             syncs = peak = None
             if cuda:
                 syncs = _count_syncs(functools.partial(steps[name], 0))
@@ -292,7 +330,7 @@ def _run(args: argparse.Namespace, device: torch.device, kind: str) -> list[dict
                     "host_ms": statistics.median(host[name]),
                     "gpu_ms": statistics.median(gpu[name]) if cuda else None,
                     "syncs_per_step": syncs,
-                    "kernels": impl.kernels,
+                    "kernels": kernels[name],
                     "mode": mode,
                     "kernel": kind,
                 }
@@ -531,6 +569,12 @@ def _parser() -> argparse.ArgumentParser:
         "of these implementations (default: single, preallocated-2, legacy-2, fbgemm-chain-2)",
     )
     parser.add_argument(
+        "--graphed",
+        action="store_true",
+        help="CUDA: also graphed-single and graphed-preallocated-K (each input's step recorded once in a CUDA "
+        "graph and replayed: the lookups' GPU cost without host launch work)",
+    )
+    parser.add_argument(
         "--sharded",
         action="store_true",
         help="also time the sharded module's full training step (input dist, lookup, output dist, backward)",
@@ -593,8 +637,11 @@ def _defaults(args: argparse.Namespace, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a table; optionally write JSON and a plot."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.graphed and device.type != "cuda":
+        parser.error("--graphed needs CUDA (it records CUDA graphs)")
     if args.threads:
         torch.set_num_threads(args.threads)
     _defaults(args, device)
