@@ -30,7 +30,8 @@ With key-value tables the lookup has two kernels. The padding then puts the feat
 every feature to one id count ``C`` (``StepPadding(per_feature=True)``, a multiple of ``Bp / 16``), so each
 kernel's ids are a fixed slice and the lookup splits them by host counts it is handed (``length_per_key``),
 with no read. :meth:`StepGraphs.prefetch_after_step` (a pipeline stage on its own stream) maps the key-value
-slice of the next batch to cache slots, its work issued right after the current step's replay; the captured
+slice of the next batch to cache slots: its device survey issued just before the current step's replay, its one
+host sync and row moves right after (``complete=False``, then ``complete_prefetch()``); the captured
 key-value forward reads its slots from static buffers, which the kernel's ``replaying()`` fills before each
 replay and releases after it. Graphs are recorded again when the
 key-value cache's tensors change (``captured_buffers()``: the scratch pool grew).
@@ -341,8 +342,9 @@ class StepGraphs:
         return dataclasses.replace(batch, kv_inputs=inputs)
 
     def prefetch_after_step(self, batch: PaddedBatch) -> PaddedBatch:
-        """A pipeline's prefetch stage: :meth:`prefetch`, its work issued on the current stream right after the
-        next :meth:`step` issued its replay (so its host work and its one sync overlap that replay on the GPU),
+        """A pipeline's prefetch stage: :meth:`prefetch`, its work issued on the current stream around the next
+        :meth:`step`'s replay (its survey just before the replay is launched, its one sync and row moves right
+        after: the survey runs while the host launches the replay, the rest overlaps the replay on the GPU),
         or at the start of the step of ``batch`` itself if that comes first."""
         inputs = self._kv_inputs(batch)
         stream = torch.cuda.current_stream() if inputs and inputs[0][0].is_cuda else None
@@ -394,10 +396,26 @@ class StepGraphs:
         if self._kv and not batch.kv_inputs:
             batch = self.prefetch(batch)
         self._run_deferred(batch)  # its own prefetch, if it is still deferred
+        started = self._start_next()
         try:
             return self._step(batch)
         finally:
-            self._run_deferred(None)  # the next batches' prefetches, behind this step's work
+            if started:  # the next batch's prefetch: its sync and row moves, behind this step's replay
+                for kernel, _, _ in self._kv:
+                    kernel.complete_prefetch()
+            self._run_deferred(None)  # the later batches' prefetches, behind this step's work
+
+    def _start_next(self) -> bool:
+        """Issue the survey of the first deferred prefetch (CUDA) before this step's replay, so that the survey
+        runs on the GPU while the host launches the replay, and the prefetch's one sync, after the launch, finds
+        it done; returns whether one was issued (its kernels' ``complete_prefetch`` finishes it)."""
+        if not self._deferred or self._deferred[0][2] is None:
+            return False
+        inputs, padded, stream = self._deferred.popleft()
+        with torch.cuda.stream(stream):
+            for (kernel, _, features), (ids, offsets) in zip(self._kv, inputs, strict=True):
+                kernel.prefetch(ids, offsets, [[padded]] * features, complete=False)
+        return True
 
     def _step(self, batch: PaddedBatch) -> torch.Tensor:
         key = batch.shape_key

@@ -130,6 +130,7 @@ def train(
     weighted: bool,
     pipelined: bool = False,
     replay: str = "",
+    deferred: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Train over ``batches`` prefetching ``ahead`` batches ahead (0: none); outputs and psw gradients (CPU).
 
@@ -140,7 +141,9 @@ def train(
     ``layout``: ``"plain"`` (no VBE), ``"vbe"`` or ``"vbe_output"`` (blocks written into a larger buffer at
     shuffled offsets; the gaps must stay untouched). ``pipelined``: each step's prefetch is issued after its
     backward was queued, before anything reads a result (a train pipeline's order: on CUDA the prefetch, on
-    a side stream, runs while that backward may still update rows it may pick as victims).
+    a side stream, runs while that backward may still update rows it may pick as victims). ``deferred``: each
+    prefetch is issued with ``complete=False`` and finished by ``complete_prefetch()`` after the step's
+    backward (a forward or a replay of another batch in between finds it unfinished).
 
     On CUDA the side stream waits for the current one once, when the ids are on the device, and never again:
     the module itself must order its row moves after the forward/backward in flight."""
@@ -157,9 +160,9 @@ def train(
         indices, offsets, _, sizes = on[k]
         if side is not None:
             with torch.cuda.stream(side):
-                module.prefetch(indices, offsets, sizes)
+                module.prefetch(indices, offsets, sizes, complete=not deferred)
         else:
-            module.prefetch(indices, offsets, sizes)
+            module.prefetch(indices, offsets, sizes, complete=not deferred)
 
     for k in range(ahead):
         prefetch(k)
@@ -199,6 +202,8 @@ def train(
             torch.autograd.backward((mine * probe).sum())
         if ahead and pipelined:
             prefetch(step + ahead)
+        if deferred:
+            module.complete_prefetch()
         outputs.append(mine.detach().cpu())
         grads.append(psw.grad.cpu() if psw is not None and psw.grad is not None else torch.zeros(0))
     return outputs, grads
@@ -323,6 +328,7 @@ def check_against_both(
     steps: int = 10,
     pipelined: bool = False,
     replay: str = "",
+    deferred: bool = False,
 ) -> KeyValueEmbeddingBags:
     """Train the device-cache module, the host-cache CPU module and the reference on the same batches; every
     output, psw gradient and final row agree. Returns the (closed) device-cache module for metric checks."""
@@ -332,7 +338,14 @@ def check_against_both(
     module = make_module(device, on_device=True, optimizer=optimizer, pooling=pooling, fp16=fp16, **tiers)  # type: ignore[arg-type]
     host = make_module("cpu", on_device=False, cache_rows=3, optimizer=optimizer, pooling=pooling, fp16=fp16)
     got_out, got_grad = train(
-        module, batches, ahead=ahead, layout=layout, weighted=weighted, pipelined=pipelined, replay=replay
+        module,
+        batches,
+        ahead=ahead,
+        layout=layout,
+        weighted=weighted,
+        pipelined=pipelined,
+        replay=replay,
+        deferred=deferred,
     )
     host_out, host_grad = train(host, batches, ahead=0, layout=layout, weighted=weighted)
     reference = Reference(optimizer, pooling, fp16)
@@ -387,6 +400,36 @@ def test_static_slots_replay_matches_reference(tiers: dict[str, object], ahead: 
     CUDA graph captures, run eagerly on the CPU) give the reference's outputs, psw gradients and rows, with
     prefetches ahead and without (then staging assigns the slots itself)."""
     check_against_both("cpu", tiers, ahead=ahead, layout=layout, replay="static")
+
+
+@pytest.mark.parametrize("replay", ["", "static"], ids=["eager", "static"])
+@pytest.mark.parametrize("ahead", [1, 2], ids=["ahead1", "ahead2"])
+@pytest.mark.parametrize("tiers", [t for _, t in TIERS], ids=[n for n, _ in TIERS])
+def test_prefetch_completed_later_matches_reference(
+    tiers: dict[str, object], ahead: int, replay: str
+) -> None:
+    """Prefetches issued with ``complete=False`` (survey only) and finished after the next step (by the
+    forward that needs one, or by ``complete_prefetch()``; a staged replay of the batch before leaves it
+    unfinished) give the reference's and the host-cache path's outputs, psw gradients and rows."""
+    check_against_both("cpu", tiers, ahead=ahead, layout="vbe", replay=replay, deferred=True)
+
+
+def test_prefetch_completed_later_raises_bad_offsets_at_its_completion() -> None:
+    """A prefetch issued with ``complete=False`` checks its ``offsets`` values at its completion: the error is
+    raised there, the prefetch is dropped, and the module keeps working."""
+    module = make_module("cpu", on_device=True, cache_rows=4, host_cache_rows=8)
+    b = make_batches(1, vbe=False, seed=2)[0]
+    bad = b.offsets.clone()
+    bad[-1] = b.indices.numel() + 5
+    module.prefetch(b.indices, bad, complete=False)
+    with pytest.raises(InvalidArgumentError, match="offsets"):
+        module.complete_prefetch()
+    module.complete_prefetch()  # nothing left to finish
+    assert module.metrics()["prefetches"] == 0
+    module.prefetch(b.indices, b.offsets, complete=False)
+    module(b.indices, b.offsets).sum().backward()  # the forward finishes its own prefetch and uses it
+    assert module.metrics()["forwards_without_prefetch"] == 0
+    module.close()
 
 
 def test_static_forward_reads_the_staged_slots() -> None:
@@ -1261,6 +1304,19 @@ def test_cuda_graph_replays_match_reference(tiers: dict[str, object], ahead: int
     """Each step's forward and backward captured in a CUDA graph (nothing runs at capture) and replayed
     inside ``replaying`` (prefetches on a side stream) give the reference's outputs, psw gradients and rows."""
     check_against_both("cuda", tiers, ahead=ahead, layout=layout, replay="graph")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replay", ["", "graph"], ids=["eager", "graph"])
+@pytest.mark.parametrize("ahead", [1, 2], ids=["ahead1", "ahead2"])
+@pytest.mark.parametrize("tiers", [t for _, t in TIERS], ids=[n for n, _ in TIERS])
+def test_cuda_prefetch_completed_later_matches_reference(
+    tiers: dict[str, object], ahead: int, replay: str
+) -> None:
+    """On CUDA, prefetches issued on a side stream with ``complete=False`` (survey only, then the graph
+    replay of the current batch issued, then ``complete_prefetch()``: the trainer's order) give the
+    reference's outputs, psw gradients and rows."""
+    check_against_both("cuda", tiers, ahead=ahead, layout="vbe", replay=replay, deferred=True)
 
 
 @pytest.mark.gpu

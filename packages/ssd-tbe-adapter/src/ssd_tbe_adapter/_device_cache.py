@@ -50,7 +50,7 @@ from ssd_tbe_adapter._optimizer import RowOptimizer
 from ssd_tbe_adapter._row_moves import StagingBuffers
 from ssd_tbe_adapter._slot_index import SlotIndex
 
-__all__ = ["Assignment", "DeviceCache", "DeviceCacheMetrics"]
+__all__ = ["Assignment", "DeviceCache", "DeviceCacheMetrics", "StartedAssign"]
 
 _TICK_BITS = 40  # last-use ticks stay far below 2**40
 _MAX_USES = (1 << 20) - 1
@@ -85,6 +85,24 @@ class Survey:
     overflowing: torch.Tensor  # the misses left for the scratch pool
     at: torch.Tensor  # [N + 1]: positions of the misses among the pairs, ascending, zeros after them
     below: torch.Tensor | None  # each miss's slot in the DRAM tier (-1: absent), None without one
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class StartedAssign:
+    """An assignment between :meth:`DeviceCache.start_assign` (its survey issued) and
+    :meth:`DeviceCache.finish_assign`; the buffers are ``None`` for an empty batch."""
+
+    n: int  # lookups
+    key: tuple[int, ...] | None  # the survey's graph key
+    survey: Survey | None
+    host_missing: torch.Tensor | None  # pinned: the missing keys, written by the survey
+    host_read: torch.Tensor | None  # pinned: the counts (and checks), written by the survey
+    tick: int
+    protect: int
+    verify: Callable[[list[int]], None] | None
+    before_rows: Callable[[], None] | None
+    checks: torch.Tensor | None
+    done: Any  # CUDA event after the survey (a deferred finish waits for it), else None
 
 
 def _bucket(n: int) -> int:
@@ -299,14 +317,48 @@ class DeviceCache:
         ``checks``, with the missing keys in a copy queued before it; with misses, one wait for the victims'
         keys and rows (one device-to-host copy into reused pinned buffers). The rows read from below go up in
         one host-to-device copy that nothing waits for.
+
+        The same as :meth:`finish_assign` of :meth:`start_assign` (which splits it at its first sync).
         """
+        return self.finish_assign(
+            self.start_assign(
+                tables, ids, tick, protect, checks=checks, verify=verify, before_rows=before_rows
+            )
+        )
+
+    def start_assign(
+        self,
+        tables: torch.Tensor,
+        ids: torch.Tensor,
+        tick: int,
+        protect: int,
+        *,
+        checks: torch.Tensor | None = None,
+        verify: Callable[[list[int]], None] | None = None,
+        before_rows: Callable[[], None] | None = None,
+        deferred: bool = False,
+    ) -> StartedAssign:
+        """:meth:`assign` up to its first host sync: the survey (device work on the current stream, nothing
+        changed here). :meth:`finish_assign` does the rest; until then nothing else may assign.
+
+        ``deferred``: the finish may come after other work was queued on this stream (say a graph replay), so
+        it waits for an event recorded after the survey instead of for the whole stream."""
         self.metrics.assigns += 1
         n = ids.numel()
         if n == 0:
-            if checks is not None and verify is not None:
-                verify([int(c) for c in checks.tolist()])  # host sync: only for an empty batch with checks
-            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-            return Assignment(slots=empty, unique_slots=empty, inverse=empty, inserted=0)
+            return StartedAssign(
+                n=0,
+                key=None,
+                survey=None,
+                host_missing=None,
+                host_read=None,
+                tick=tick,
+                protect=protect,
+                verify=verify,
+                before_rows=before_rows,
+                checks=checks,
+                done=None,
+            )
         # The survey (everything up to the read of its counts) runs over the lookups padded to a bucket size,
         # as one CUDA graph replay per bucket on CUDA (same padded code eagerly elsewhere).
         padded = _bucket(n)
@@ -327,7 +379,45 @@ class DeviceCache:
             inputs.append(checks)
         key = (padded, columns, host_read.shape[1], self._generation)
         survey = self._surveys(key, inputs, fixed=(host_missing, host_read))
-        if self.device.type == "cuda":
+        done = None
+        if deferred and self.device.type == "cuda":
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+            done.record(torch.cuda.current_stream(self.device))
+        return StartedAssign(
+            n=n,
+            key=key,
+            survey=survey,
+            host_missing=host_missing,
+            host_read=host_read,
+            tick=tick,
+            protect=protect,
+            verify=verify,
+            before_rows=before_rows,
+            checks=checks,
+            done=done,
+        )
+
+    def finish_assign(self, started: StartedAssign) -> Assignment:
+        """The rest of :meth:`assign` after :meth:`start_assign` (on the stream the survey ran on): the read of
+        its counts (the host sync), ``verify``, the stamps and the row moves."""
+        n, verify, before_rows, tick = started.n, started.verify, started.before_rows, started.tick
+        protect = started.protect
+        if n == 0:
+            if started.checks is not None and verify is not None:
+                # host sync: only for an empty batch with checks
+                verify([int(c) for c in started.checks.tolist()])
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return Assignment(slots=empty, unique_slots=empty, inverse=empty, inserted=0)
+        survey, key = started.survey, started.key
+        host_missing, host_read = started.host_missing, started.host_read
+        assert survey is not None
+        assert key is not None
+        assert host_missing is not None
+        assert host_read is not None
+        dram = self.lower if isinstance(self.lower, DramTier) else None
+        if started.done is not None:
+            started.done.synchronize()  # host sync: the survey's counts (not the work queued after it)
+        elif self.device.type == "cuda":
             # host sync: the only one before the rows move
             torch.cuda.current_stream(self.device).synchronize()
         values = [int(c) for c in host_read[0].tolist()]

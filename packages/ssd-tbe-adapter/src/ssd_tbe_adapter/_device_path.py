@@ -27,6 +27,7 @@ offsets handed to prefetch must be ready on its stream (the pipeline's handoff).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ from typing import Any, Literal, cast
 import torch
 import torch.nn.functional as F
 
-from ssd_tbe_adapter._device_cache import DeviceCache
+from ssd_tbe_adapter._device_cache import DeviceCache, StartedAssign
 from ssd_tbe_adapter._dram_tier import DramTier
 from ssd_tbe_adapter._host_tier import HostTier, RowTier, StoreTier
 from ssd_tbe_adapter._layout import allocate_output, bag_grads, chained_input_grad, place_pooled
@@ -77,6 +78,31 @@ class _Failed:
     num_bags: list[int]
     version: int
     error: Exception
+
+
+@dataclass(frozen=True, slots=True)
+class _Started:
+    """A batch's assignment with its survey issued (:meth:`DevicePath._start`), not yet finished."""
+
+    plan: Plan
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    bag_of_lookup: torch.Tensor
+    version: int  # indices._version at the prefetch call
+    cache: StartedAssign
+    stream: Any  # the CUDA stream it was issued on (its finish runs there), None on the CPU
+
+
+def _failed(
+    plan: Plan, indices: torch.Tensor, offsets: torch.Tensor, error: Exception, version: int | None = None
+) -> _Failed:
+    return _Failed(
+        indices=indices,
+        offsets=offsets,
+        num_bags=plan.num_bags,
+        version=indices._version if version is None else version,
+        error=error,
+    )
 
 
 class DevicePath:
@@ -126,6 +152,7 @@ class DevicePath:
         # Captured forwards (CUDA graphs) read a batch's slots from these, per lookup count N.
         self._static: dict[int, _Batch] = {}
         self._staged: list[_Batch] = []  # batches staged for a replay, released when it was issued
+        self._started: _Started | None = None  # a prefetch issued with complete=False, not finished yet
         self.static_mode = False  # forwards read the static buffers as under a capture (see in_capture)
         self.counters = dict.fromkeys(
             ("forwards", "forwards_without_prefetch", "prefetches", "forward_lookups", "forward_hits"), 0
@@ -135,24 +162,56 @@ class DevicePath:
     # ------------------------------------------------------------------ public (called by the module)
 
     def prefetch(
-        self, indices: torch.Tensor, offsets: torch.Tensor, batch_sizes: list[list[int]] | None
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        batch_sizes: list[list[int]] | None,
+        *,
+        complete: bool = True,
     ) -> None:
         """Map a future batch to slots now (rows move in on the current stream); bad input raises here, a store
-        error is kept and raised by the forward of that batch or by :meth:`wait`, once."""
+        error is kept and raised by the forward of that batch or by :meth:`wait`, once.
+
+        ``complete=False``: only the assignment's survey is issued now (device work, no host sync); the rest
+        (its one sync, the row moves, on this same stream) runs at :meth:`complete`, or at the next call that
+        needs it (prefetch, wait, forward, flush, clear, close, a stage of another batch). Bad ``offsets``
+        values then raise there."""
+        self.complete()
         plan, _ = self._plan(indices, offsets, None, batch_sizes, None, None)
+        try:
+            started = self._start(plan, indices, offsets, deferred=not complete)
+        except InvalidArgumentError:  # bad input: nothing changed, nothing queued
+            raise
+        except Exception as error:  # no tier changed (see DeviceCache._move_in): nothing to undo
+            self._queue(_failed(plan, indices, offsets, error))
+            return
+        if complete:
+            self._finish_prefetch(started)
+        else:
+            self._started = started
+
+    def complete(self) -> None:
+        """Finish the prefetch issued with ``complete=False`` (if any): its sync and row moves, on the stream
+        it was issued on. Bad ``offsets`` raise here (the prefetch is dropped); a store error is kept for its
+        batch's forward."""
+        started, self._started = self._started, None
+        if started is not None:
+            with (
+                torch.cuda.stream(started.stream) if started.stream is not None else contextlib.nullcontext()
+            ):
+                self._finish_prefetch(started)
+
+    def _finish_prefetch(self, started: _Started) -> None:
         item: _Batch | _Failed
         try:
-            item = self._assign(plan, indices, offsets, "prefetched_rows")
+            item = self._finish(started, "prefetched_rows")
         except InvalidArgumentError:  # bad `offsets` (checked on the device): nothing changed, nothing queued
             raise
         except Exception as error:  # no tier changed (see DeviceCache._move_in): nothing to undo
-            item = _Failed(
-                indices=indices,
-                offsets=offsets,
-                num_bags=plan.num_bags,
-                version=indices._version,
-                error=error,
-            )
+            item = _failed(started.plan, started.indices, started.offsets, error, started.version)
+        self._queue(item)
+
+    def _queue(self, item: _Batch | _Failed) -> None:
         self.counters["prefetches"] += 1
         self._pending.append(item)
         while len(self._pending) > _MAX_PENDING:  # prefetches no forward came for
@@ -161,6 +220,7 @@ class DevicePath:
     def wait(self, *, raise_failed: bool = True) -> None:
         """Prefetches run at their call: drop the failed ones; raise the first one's error when ``raise_failed``
         (once: it is dropped)."""
+        self.complete()
         failed = [item for item in self._pending if isinstance(item, _Failed)]
         for item in failed:
             self._pending.remove(item)
@@ -210,6 +270,7 @@ class DevicePath:
         psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32)
         if self.in_capture():
             return self._captured_forward(anchor, plan, indices, offsets, psw, vbe_output, optimizer, pooling)
+        self.complete()
         batch = self._take(plan, indices, offsets, self._find(indices, offsets, batch_sizes))
         if batch.offsets is not offsets:  # same ids, offsets rebuilt by the caller: bag each lookup anew
             batch = replace(batch, offsets=offsets, bag_of_lookup=_bag_of_lookup(offsets, indices.numel()))
@@ -315,6 +376,9 @@ class DevicePath:
         nothing)."""
         static = self._static_batch(indices.numel())
         match = self._find(indices, offsets, batch_sizes)
+        if match is None and self._started is not None:  # maybe the prefetch still being finished
+            self.complete()
+            match = self._find(indices, offsets, batch_sizes)
         # A matched prefetch was planned (and its input checked) at its call: plan only to assign here.
         plan = None if match is not None else self._plan(indices, offsets, None, batch_sizes, None, None)[0]
         captured = self.captured_buffers()
@@ -355,12 +419,14 @@ class DevicePath:
 
     def flush(self) -> None:
         """Write every dirty row (device cache and host tier) to the store."""
+        self.complete()
         self._wait_insert()
         self.cache.flush()
         self._record_main()
 
     def clear(self) -> None:
         """Forget every cached row and pending prefetch (checkpoint restore, after :meth:`flush`)."""
+        self.complete()
         self._pending.clear()
         self._open.clear()
         self._staged.clear()
@@ -370,13 +436,17 @@ class DevicePath:
     def load_host_tier(self, table: int, ids: torch.Tensor) -> None:
         """Read the rows of ``ids`` (``[K]`` int64 host, unique, not cached yet) from the store into the host
         tier (warm start: benchmarks); nothing without a host tier."""
+        self.complete()
         lower = self.cache.lower
         if isinstance(lower, HostTier | DramTier):
             lower.load(torch.full_like(ids, table), ids)
 
     def close(self) -> None:
-        """Forget the pending prefetches."""
-        self._pending.clear()
+        """Forget the pending prefetches (one still being finished is finished first: it holds a tick)."""
+        try:
+            self.complete()
+        finally:
+            self._pending.clear()
 
     def summary(self) -> dict[str, float]:
         """The device path's counters, under the module's metric names plus ``hbm_*`` / ``host_tier_*`` /
@@ -453,6 +523,10 @@ class DevicePath:
         The values of ``offsets`` are checked on the device and read with the assignment's counts; bad ones
         raise :class:`InvalidArgumentError` before anything moved. Until then every kernel is safe whatever
         ``offsets`` holds (bags by ``searchsorted``, clamped)."""
+        return self._finish(self._start(plan, indices, offsets, deferred=False), moved)
+
+    def _start(self, plan: Plan, indices: torch.Tensor, offsets: torch.Tensor, *, deferred: bool) -> _Started:
+        """:meth:`_assign` up to its survey (device work, no sync): the batch's tick is held from here."""
         self._wait_insert()  # the slot metadata the last assignment wrote (on another stream, maybe)
         lookups = indices.numel()
         bag_of_lookup = _bag_of_lookup(offsets, lookups)
@@ -468,32 +542,43 @@ class DevicePath:
         self._tick += 1
         tick = self._tick
         self._open.add(tick)
-        protect = min(self._open)
         try:
-            assignment = self.cache.assign(
+            started = self.cache.start_assign(
                 tables,
                 indices.to(torch.int64),
                 tick,
-                protect,
+                min(self._open),
                 checks=checks,
                 verify=verify,
                 before_rows=self._wait_main,
+                deferred=deferred,
             )
+        except BaseException:
+            self._open.discard(tick)
+            raise
+        stream = torch.cuda.current_stream(self._device) if self._cuda else None
+        return _Started(plan, indices, offsets, bag_of_lookup, indices._version, started, stream)
+
+    def _finish(self, started: _Started, moved: str) -> _Batch:
+        """The rest of :meth:`_assign` (on the stream of its start)."""
+        tick = started.cache.tick
+        try:
+            assignment = self.cache.finish_assign(started.cache)
         except BaseException:
             self._open.discard(tick)
             raise
         self.counters[moved] += assignment.inserted
         self._record_insert()
         return _Batch(
-            indices=indices,
-            offsets=offsets,
+            indices=started.indices,
+            offsets=started.offsets,
             slots=assignment.slots,
             unique_slots=assignment.unique_slots,
             inverse=assignment.inverse,
-            bag_of_lookup=bag_of_lookup,
+            bag_of_lookup=started.bag_of_lookup,
             tick=tick,
-            version=indices._version,
-            num_bags=list(plan.num_bags),
+            version=started.version,
+            num_bags=list(started.plan.num_bags),
         )
 
     def release(self, batch: _Batch) -> None:

@@ -272,6 +272,8 @@ class KeyValueEmbeddingBags(nn.Module):
         indices: torch.Tensor,
         offsets: torch.Tensor,
         batch_size_per_feature_per_rank: list[list[int]] | None = None,
+        *,
+        complete: bool = True,
     ) -> None:
         """Bring the rows of a future batch into the cache on a background thread.
 
@@ -289,10 +291,15 @@ class KeyValueEmbeddingBags(nn.Module):
 
         With the device cache the work runs at this call on the current stream (only the missing ids and
         the moved rows cross to the host); a failed store read surfaces at the forward that would use it.
+        ``complete=False`` (device cache) issues only its device survey now, without the host sync: the
+        rest (the sync, the row moves, on the same stream) runs at :meth:`complete_prefetch` or at the next
+        call that needs it (prefetch, wait_prefetch, forward, flush, a replay of another batch), so other
+        work (say a graph replay of the current batch) can be issued while the survey runs; bad ``offsets``
+        values raise there. Ignored without the device cache (its prefetch already runs on a thread).
         """
         self._check_open()
         if self._device_path is not None:
-            self._device_path.prefetch(indices, offsets, batch_size_per_feature_per_rank)
+            self._device_path.prefetch(indices, offsets, batch_size_per_feature_per_rank, complete=complete)
             return
         plan, indices_cpu = plan_batch(
             indices, offsets, None, batch_size_per_feature_per_rank, None, None, **self._layout_args()
@@ -300,6 +307,17 @@ class KeyValueEmbeddingBags(nn.Module):
         stream = torch.cuda.current_stream(self._device) if self._cuda else None
         self._prefetcher.submit(plan, indices, offsets, indices_cpu, stream, self.read_threads)
         self._tier.metrics.prefetches += 1
+
+    def complete_prefetch(self) -> None:
+        """Finish a prefetch issued with ``complete=False`` (its one host sync and row moves); a store error it
+        meets stays for its batch's forward (as in :meth:`prefetch`). Nothing to do otherwise.
+
+        Raises:
+            InvalidArgumentError: the prefetched ``offsets`` hold bad values (the prefetch is dropped).
+        """
+        self._check_open()
+        if self._device_path is not None:
+            self._device_path.complete()
 
     def wait_prefetch(self) -> None:
         """Block until every pending prefetch has finished its store reads and cache inserts.

@@ -31,9 +31,10 @@ case has the same shape) and replayed:
 - ``fbgemm-tbe-graphed``: the all-in-HBM TBE's step replayed (its host launch work gone: the like-for-like
   comparison for the graphed key-value rows);
 - ``kv-device-dram-graphed`` / ``kv-device-memstore-graphed``: ``kv-device-dram-prefetch`` /
-  ``kv-device-memstore-prefetch`` with the step replayed inside ``replaying`` and ``prefetch(batch k+1)``
-  issued right after the replay (a graphed train step's order); re-recorded when ``captured_buffers()``
-  change.
+  ``kv-device-memstore-prefetch`` with the step replayed inside ``replaying`` and ``prefetch(batch k+1,
+  complete=False)`` (its survey, on a prefetch stream) issued just before the replay, ``complete_prefetch()``
+  (its sync and row moves) right after (the graphed trainer's order); re-recorded when
+  ``captured_buffers()`` change.
 
 With ``--pipelined`` (CUDA) these three issue ``prefetch(batch i+1)`` on a side stream after ``forward(batch i)``
 and its backward are queued instead (a train pipeline's order: the prefetch can overlap the backward).
@@ -396,13 +397,21 @@ def run_case(
         module.wait_prefetch()
 
     replays: dict[str, _GraphedStep] = {}
+    prefetch_stream = None
+    if graphed and device.type == "cuda":
+        prefetch_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+        prefetch_stream.wait_stream(torch.cuda.current_stream(device))  # the batches are on the device
 
     def graphed_step(name: str, k: int) -> None:
+        # The trainer's order: batch k+1's survey issued first (its own stream), then batch k's replay, then
+        # the prefetch's sync and row moves (which wait for the replay on the device only).
         module = modules[name]
         if name not in replays:
             replays[name] = _GraphedStep(device, lambda ids, offs: module(ids, offs).sum().backward(), module)
+        with torch.cuda.stream(prefetch_stream):
+            module.prefetch(*batches[k + 1], complete=False)
         replays[name](*batches[k])
-        module.prefetch(*batches[k + 1])  # right after the replay is issued: it overlaps the replay
+        module.complete_prefetch()
         module.wait_prefetch()
 
     if "kv-sync" in modules:
@@ -980,7 +989,8 @@ def main(argv: list[str] | None = None) -> None:
         "--graphed",
         action="store_true",
         help="CUDA: also the TBE's and two device-cache key-value rows with each step recorded once in a "
-        "CUDA graph and replayed (the key-value prefetch of batch k+1 issued right after the replay)",
+        "CUDA graph and replayed (the key-value prefetch of batch k+1 around the replay: its survey before, "
+        "its sync and row moves after)",
     )
     parser.add_argument(
         "--pipelined",
