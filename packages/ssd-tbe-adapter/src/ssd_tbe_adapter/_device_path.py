@@ -94,15 +94,9 @@ class _Started:
 
 
 def _failed(
-    plan: Plan, indices: torch.Tensor, offsets: torch.Tensor, error: Exception, version: int | None = None
+    plan: Plan, indices: torch.Tensor, offsets: torch.Tensor, version: int, error: Exception
 ) -> _Failed:
-    return _Failed(
-        indices=indices,
-        offsets=offsets,
-        num_bags=plan.num_bags,
-        version=indices._version if version is None else version,
-        error=error,
-    )
+    return _Failed(indices=indices, offsets=offsets, num_bags=plan.num_bags, version=version, error=error)
 
 
 class DevicePath:
@@ -183,7 +177,7 @@ class DevicePath:
         except InvalidArgumentError:  # bad input: nothing changed, nothing queued
             raise
         except Exception as error:  # no tier changed (see DeviceCache._move_in): nothing to undo
-            self._queue(_failed(plan, indices, offsets, error))
+            self._queue(_failed(plan, indices, offsets, indices._version, error))
             return
         if complete:
             self._finish_prefetch(started)
@@ -208,7 +202,7 @@ class DevicePath:
         except InvalidArgumentError:  # bad `offsets` (checked on the device): nothing changed, nothing queued
             raise
         except Exception as error:  # no tier changed (see DeviceCache._move_in): nothing to undo
-            item = _failed(started.plan, started.indices, started.offsets, error, started.version)
+            item = _failed(started.plan, started.indices, started.offsets, started.version, error)
         self._queue(item)
 
     def _queue(self, item: _Batch | _Failed) -> None:
