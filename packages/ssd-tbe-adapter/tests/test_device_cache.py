@@ -1486,3 +1486,47 @@ def test_cuda_is_the_default_device_cache() -> None:
     module = make_module("cuda", on_device=None, cache_rows=4)
     assert "hbm_hit_rate" in module.metrics()
     module.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_slot_index_merge_matches_a_full_rebuild(seed: int) -> None:
+    """SlotIndex.merge (new keys merged into the sorted ones) gives the same valid keys in the same order as a
+    full sort, and the same lookups, over many rounds of refills (repeats, trash padding) and frees."""
+    from ssd_tbe_adapter._slot_index import SlotIndex
+
+    gen = torch.Generator().manual_seed(seed)
+    slots = 300
+    trash = slots
+    valid = torch.zeros(slots + 1, dtype=torch.bool)
+    tables = torch.zeros(slots + 1, dtype=torch.int64)
+    ids = torch.zeros(slots + 1, dtype=torch.int64)
+    merged = SlotIndex(valid, tables, ids)
+    fresh = 0
+    for _ in range(40):
+        m = int(torch.randint(0, 60, (1,), generator=gen))
+        picked = torch.randint(0, slots, (m,), generator=gen)
+        picked = torch.cat([picked, torch.full((3,), trash)])  # padding repeats the trash slot
+        new_tables = torch.randint(0, 3, (picked.numel(),), generator=gen)
+        new_ids = torch.arange(picked.numel()) + fresh  # a key lives in one slot at most, as in the tiers
+        fresh += picked.numel()
+        # A repeated slot keeps whichever write index_copy_ kept; the index must agree with the metadata.
+        tables.index_copy_(0, picked, new_tables)
+        ids.index_copy_(0, picked, new_ids)
+        fill = torch.rand(picked.numel(), generator=gen) < 0.8
+        valid.index_copy_(0, picked, fill)
+        freed = torch.randint(0, slots, (int(torch.randint(0, 20, (1,), generator=gen)),), generator=gen)
+        valid.index_fill_(0, freed, False)
+        valid[trash] = False
+        merged.set_keys(picked, tables.index_select(0, picked), ids.index_select(0, picked))
+        merged.merge(valid, picked)
+        full = SlotIndex(valid, tables, ids)
+        count = int(valid.sum())
+        assert torch.equal(merged.sorted_keys[:count], full.sorted_keys[:count])
+        assert torch.equal(merged.sorted_slots[:count], full.sorted_slots[:count])
+        assert bool((merged.sorted_keys[count:] == (1 << 63) - 1).all())
+        probe_tables = torch.cat([tables, torch.randint(0, 3, (50,), generator=gen)])
+        probe_ids = torch.cat([ids, torch.randint(0, fresh + 1, (50,), generator=gen)])
+        assert torch.equal(
+            merged.find(probe_tables, probe_ids, valid, tables, ids),
+            full.find(probe_tables, probe_ids, valid, tables, ids),
+        )

@@ -14,8 +14,8 @@ out.
 
 Index: the valid slots sorted by a 64-bit hash of ``(table, id)`` (invalid slots sort last); a lookup is one
 ``searchsorted`` plus a check of the slot's stored ``(table, id)``, so a hash collision could only make a
-row look absent (probability ~``S * N / 2**64`` per batch, ``S`` slots, ``N`` lookups). Rebuilt with one
-sort after each assignment that moved rows.
+row look absent (probability ~``S * N / 2**64`` per batch, ``S`` slots, ``N`` lookups). After each assignment
+that moved rows the new keys are merged in (one sort of the moved rows' keys, elementwise work over the slots).
 
 Host syncs happen only in :meth:`DeviceCache.assign` (the prefetch, or a forward without one), at most two:
 one read of its counts (unique rows, misses, scratch overflow) that also brings the missing keys (copied, padded
@@ -49,11 +49,13 @@ from ssd_tbe_adapter._host_tier import RowTier, TierRows
 from ssd_tbe_adapter._optimizer import RowOptimizer
 from ssd_tbe_adapter._row_moves import StagingBuffers
 from ssd_tbe_adapter._slot_index import SlotIndex
+from ssd_tbe_adapter.errors import InvalidArgumentError
 
 __all__ = ["Assignment", "DeviceCache", "DeviceCacheMetrics", "StartedAssign"]
 
 _TICK_BITS = 40  # last-use ticks stay far below 2**40
 _MAX_USES = (1 << 20) - 1
+_MAX_TABLES = 1 << 15  # table numbers sort as int16 keys
 _NEVER = 1 << 62  # priority of a protected slot (never a victim): above every (uses, tick) key
 
 
@@ -79,7 +81,6 @@ class Survey:
     inverse: torch.Tensor  # position of each lookup's pair
     slots: torch.Tensor  # each pair's slot here, -1 if not cached
     touched: torch.Tensor  # each hit's slot, the trash slot elsewhere
-    priority: torch.Tensor  # [C]: victim priority of the tables' region slots (see DeviceCache._priorities)
     in_region: torch.Tensor  # the misses that get a slot in their table's region
     region_position: torch.Tensor  # where in the region's slots (ordered by table, then priority)
     overflowing: torch.Tensor  # the misses left for the scratch pool
@@ -139,7 +140,8 @@ def _unique_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The unique ``(table, id)`` pairs of ``N > 0`` lookups, sorted by table then id, *padded to N* (no sync).
 
-    Two stable sorts and an adjacent compare (``torch.unique(dim=0)`` is several times slower).
+    Two stable sorts (the second on int16 table numbers: fewer than 2**15 tables) and an adjacent compare
+    (``torch.unique(dim=0)`` is several times slower).
 
     Returns:
         ``(tables, ids, counts, inverse, unique)``: ``[N]`` pairs (positions ``>= unique`` repeat the last
@@ -148,7 +150,9 @@ def _unique_pairs(
     """
     n = ids.numel()
     order = torch.argsort(ids, stable=True)
-    order = order.index_select(0, torch.argsort(tables.index_select(0, order), stable=True))
+    # The tables as int16 keys (a radix sort's passes follow the key's width: 2 instead of 8 for int64).
+    narrow = tables.index_select(0, order).to(torch.int16)
+    order = order.index_select(0, torch.argsort(narrow, stable=True))
     sorted_tables, sorted_ids = tables.index_select(0, order), ids.index_select(0, order)
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
     first[1:] = (sorted_tables[1:] != sorted_tables[:-1]) | (sorted_ids[1:] != sorted_ids[:-1])
@@ -212,6 +216,10 @@ class DeviceCache:
         self.dmax = max(self.dims)
         self.capacities = list(capacities)
         self.num_tables = len(self.dims)
+        if self.num_tables >= _MAX_TABLES:
+            raise InvalidArgumentError(
+                f"`dims` lists {self.num_tables} tables; the device cache takes fewer than {_MAX_TABLES}"
+            )
         self.region_size = sum(self.capacities)  # C: slots owned by tables; the scratch pool follows
         self.bases = [sum(self.capacities[:t]) for t in range(self.num_tables)]
         self.region_of_slot = torch.repeat_interleave(
@@ -435,10 +443,10 @@ class DeviceCache:
             if dram is not None and self._steady(key, dram, m, overflow, found, dram_free):
                 if before_rows is not None:
                     before_rows()  # victims' rows and dirty flags below; writes into the slots after
-                slots = self._steady_moves(key, survey, m, tick)
+                slots = self._steady_moves(key, survey, m, tick, protect)
                 self.metrics.steady_assigns += 1
             else:
-                chosen = self._chosen(survey.priority, survey.in_region, survey.region_position)
+                chosen = self._chosen(protect, survey.in_region, survey.region_position)
                 if overflow:
                     chosen = self._overflow(chosen, survey.overflowing, overflow, free, protect, before_rows)
                 at = survey.at[:m]
@@ -509,9 +517,7 @@ class DeviceCache:
         # are protected from the victim choice by a mask, and stamped and counted only after the read.
         touched = torch.where(hit & real, slots, self.trash)  # unique slots; the trash slot takes the rest
         held = torch.zeros_like(self.valid).index_fill_(0, touched, True)
-        priority, in_region, region_position, overflowing, scratch_free = self._choice(
-            u_tables, miss, protect, held
-        )
+        in_region, region_position, overflowing, scratch_free = self._choice(u_tables, miss, protect, held)
         # Positions of the misses among the pairs (ascending) at the front of `at` (zeros after them), and
         # their keys copied to the host ahead of the counts' read (which waits for it: same stream), so the
         # tiers below can be asked before anything waits for the forward/backward stream.
@@ -541,7 +547,6 @@ class DeviceCache:
             inverse=inverse,
             slots=slots,
             touched=touched,
-            priority=priority,
             in_region=in_region,
             region_position=region_position,
             overflowing=overflowing,
@@ -549,31 +554,29 @@ class DeviceCache:
             below=below,
         )
 
-    def _priorities(
-        self, start: int, stop: int, protect: int | torch.Tensor, held: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _priorities(self, start: int, stop: int, protect: int | torch.Tensor) -> torch.Tensor:
         """Victim priority of slots ``[start, stop)`` (lowest first): -1 free, else (uses, last-use tick) as one
-        int64, ``_NEVER`` if protected (used at or after ``protect``, or marked in ``held``, ``[S + 1]`` bool)."""
+        int64, ``_NEVER`` if protected (used at or after ``protect``)."""
         stamp = self.stamp[start:stop]
         key = (self.uses[start:stop].clamp(max=_MAX_USES) << _TICK_BITS) + stamp
         protected = stamp >= protect
-        if held is not None:
-            protected = protected | held[start:stop]
         return torch.where(
             protected, _NEVER, torch.where(self.valid[start:stop], key, torch.full_like(stamp, -1))
         )
 
     def _choice(
         self, tables: torch.Tensor, miss: torch.Tensor, protect: torch.Tensor, held: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """How many of the missing pairs (``miss``; ``tables`` ascending) get slots in their tables' own
-        regions, without ordering any slot (no sort: cheap when nothing misses), no sync; slots marked in
-        ``held`` (the batch's hits, not stamped yet) are protected too.
+        regions, without ordering any slot or computing their priorities (one pass over the slots' stamps:
+        cheap when nothing misses), no sync; slots marked in ``held`` (the batch's hits, not stamped yet)
+        are protected too. The victims themselves are picked by :meth:`_chosen`, after the hits were
+        stamped (so they are protected by their stamps then).
 
         Returns:
-            ``priority`` of the region's slots, ``in_region`` (the misses that get a region slot), their
-            ``region_position`` (in the region's slots ordered by table then priority), the misses left for
-            the scratch pool, and the number of scratch slots that are not protected (0-dim).
+            ``in_region`` (the misses that get a region slot), their ``region_position`` (in the region's
+            slots ordered by table then priority), the misses left for the scratch pool, and the number of
+            scratch slots that are not protected (0-dim).
         """
         n = tables.numel()
         device = self.device
@@ -583,31 +586,32 @@ class DeviceCache:
         first_of_table = torch.searchsorted(tables, torch.arange(self.num_tables + 1, device=device))
         misses_before = before.index_select(0, first_of_table)
         misses_per_table = misses_before[1:] - misses_before[:-1]
-        region = self.region_size
-        priority = self._priorities(0, region, protect, held)
-        if region:
-            # Choosable slots per table by differences of one running count over the (contiguous) regions: an
-            # index_add_ into one counter per table serialises its atomics (1.3M slots in the DLRM trainer).
-            running = torch.zeros(region + 1, dtype=torch.int64, device=device)
-            running[1:] = torch.cumsum(priority < _NEVER, 0)
-            choosable = running.index_select(0, self.region_ends) - running.index_select(0, self.bases_device)
-            take = torch.minimum(misses_per_table, choosable)
-        else:
-            take = torch.zeros_like(misses_per_table)
+        region, slots = self.region_size, self.slots
+        # Choosable (not protected: free, or a victim candidate) slots per table and in the scratch pool, by
+        # differences of one running count over the (contiguous) regions: an index_add_ into one counter per
+        # table serialises its atomics (1.3M slots in the DLRM trainer).
+        choosable_slot = (self.stamp[:slots] < protect) & ~held[:slots]
+        running = torch.zeros(slots + 1, dtype=torch.int64, device=device)
+        running[1:] = torch.cumsum(choosable_slot, 0)
+        choosable = running.index_select(0, self.region_ends) - running.index_select(0, self.bases_device)
+        take = torch.minimum(misses_per_table, choosable)
         rank = before[:-1] - misses_before.index_select(0, tables)  # of each miss within its table
         in_region = miss & (rank < take.index_select(0, tables))
         region_position = (self.bases_device.index_select(0, tables) + rank).clamp_(0, max(region - 1, 0))
-        scratch_free = (self._priorities(region, self.slots, protect, held) < _NEVER).sum()
-        return priority, in_region, region_position, miss & ~in_region, scratch_free
+        scratch_free = running[slots] - running[region]
+        return in_region, region_position, miss & ~in_region, scratch_free
 
     def _chosen(
-        self, priority: torch.Tensor, in_region: torch.Tensor, region_position: torch.Tensor
+        self, protect: int | torch.Tensor, in_region: torch.Tensor, region_position: torch.Tensor
     ) -> torch.Tensor:
         """The region slot of each miss the survey placed there (``[N]``, -1 elsewhere; see :meth:`_choice`):
-        the region's slots in priority order (lowest first), table by table. No sync."""
+        the region's slots in priority order (lowest first), table by table. No sync. Called after the
+        batch's hits were stamped: their stamps protect them (as the survey's ``held`` did)."""
         if not self.region_size:
             return torch.full_like(in_region, -1, dtype=torch.int64)
-        order = torch.argsort(priority, stable=True)  # then region by region, keeping that order
+        order = torch.argsort(
+            self._priorities(0, self.region_size, protect), stable=True
+        )  # then region by region, keeping that order
         order = order.index_select(0, torch.argsort(self.region_of_slot.index_select(0, order), stable=True))
         return torch.where(in_region, order.index_select(0, region_position), -1)
 
@@ -621,18 +625,19 @@ class DeviceCache:
         fixed = self.device.type != "cuda" or self._surveys.captured(key)
         return not overflow and found == m and m <= dram.capacity and room and fixed
 
-    def _steady_moves(self, key: tuple[int, ...], survey: Survey, m: int, tick: int) -> torch.Tensor:
+    def _steady_moves(
+        self, key: tuple[int, ...], survey: Survey, m: int, tick: int, protect: int
+    ) -> torch.Tensor:
         """The ``m`` misses of a steady assignment (see :meth:`_steady`) moved in from the DRAM tier as one
         CUDA graph replay per (survey, padded ``m``) (the first call eager): the survey's slots with them."""
         padded = _bucket(m)
-        scalars = self._staging.get("move_scalars", 1, 2, torch.int64)
-        scalars.numpy()[0] = (m, tick)
+        scalars = self._staging.get("move_scalars", 1, 3, torch.int64)
+        scalars.numpy()[0] = (m, tick, protect)
         fixed = (
             survey.tables,
             survey.ids,
             survey.at,
             survey.below,
-            survey.priority,
             survey.in_region,
             survey.region_position,
             survey.slots,
@@ -648,20 +653,19 @@ class DeviceCache:
         ids: torch.Tensor,
         at: torch.Tensor,
         below: torch.Tensor | None,
-        priority: torch.Tensor,
         in_region: torch.Tensor,
         region_position: torch.Tensor,
         slots: torch.Tensor,
     ) -> torch.Tensor:
         """:meth:`_steady_moves`'s work over the misses padded to ``padded`` (the padding moves nothing: its
-        slot is the trash slot, its DRAM slot -1). ``scalars``: ``[1, 2]`` int64, the misses and the tick.
-        Device work only: capturable."""
+        slot is the trash slot, its DRAM slot -1). ``scalars``: ``[1, 3]`` int64, the misses, the tick and
+        the protection bound. Device work only: capturable."""
         dram = self.lower
         assert isinstance(dram, DramTier)
         assert below is not None
         n = slots.numel()
-        count, tick = scalars[0, 0], scalars[0, 1]
-        chosen = self._chosen(priority, in_region, region_position)
+        count, tick, protect = scalars[0, 0], scalars[0, 1], scalars[0, 2]
+        chosen = self._chosen(protect, in_region, region_position)
         at = at[:padded]
         live = torch.arange(padded, device=self.device) < count
         new_slots = torch.where(live, chosen.index_select(0, at), self.trash)
@@ -875,7 +879,7 @@ class DeviceCache:
         tick: int | torch.Tensor,
     ) -> None:
         """Write the rows ``moved`` (``[M, D_max + 2]``: weights, state, dirty) of ``(tables, ids)`` into ``slots``,
-        stamped at ``tick``, and rebuild the index. ``slots`` may repeat the trash slot (padding): it stays
+        stamped at ``tick``, and merge them into the index. ``slots`` may repeat the trash slot (padding): it stays
         invalid and clean (so neither the index nor a flush ever sees it)."""
         dmax = self.dmax
         self.weights.index_copy_(0, slots, moved[:, :dmax])
@@ -894,7 +898,7 @@ class DeviceCache:
         self.valid[self.trash :].zero_()  # slice fills: no host copy
         self.dirty[self.trash :].zero_()
         self._index.set_keys(slots, tables, ids)
-        self._index.rebuild(self.valid)
+        self._index.merge(self.valid, slots)
 
     def update(self, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer) -> None:
         """Apply ``optimizer`` to the rows in ``slots`` (``[U]`` unique, device) with their summed gradients

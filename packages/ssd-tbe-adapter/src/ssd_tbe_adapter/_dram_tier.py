@@ -199,7 +199,7 @@ class DramTier:
             0, target, self._clock.expand(m)
         )  # not index_fill_: it reads the value on the host
         self._index.set_keys(target, tables, ids)
-        self._index.rebuild(self.valid)
+        self._index.merge(self.valid, target)
         self._kept += occupied.sum()
 
     # ------------------------------------------------------------------ the rest of a tier

@@ -2,7 +2,9 @@
 
 A lookup is one ``searchsorted`` plus a check of the slot's stored ``(table, id)`` and valid flag, so a hash
 collision could only make a row look absent (probability ~``S * N / 2**64`` per batch, ``S`` slots, ``N``
-lookups), and a slot freed since the last rebuild is never found. Rebuilt with one sort after the slots change.
+lookups), and a slot freed since the last rebuild is never found. After a batch's row moves the sorted keys are
+*merged* (:meth:`SlotIndex.merge`: the few new keys sorted, the kept ones shifted; elementwise work over the slots
+and one sort of the batch's keys, no sort of the slots); a full :meth:`SlotIndex.rebuild` sorts them all again.
 """
 
 from __future__ import annotations
@@ -54,6 +56,46 @@ class SlotIndex:
         """Sort the valid slots' keys again (after slots were filled or freed)."""
         keys = torch.where(valid, self.slot_keys, _MAX_KEY)
         torch.sort(keys, out=(self.sorted_keys, self.sorted_slots))
+
+    def merge(self, valid: torch.Tensor, slots: torch.Tensor) -> None:
+        """The index after ``slots`` (``[M]``, repeats allowed) got new keys (:meth:`set_keys`) and ``valid``
+        changed for them or went false anywhere (a freed slot): the same sorted keys as :meth:`rebuild` (the
+        invalid slots' order in the tail aside, which no lookup reads). No sync, fixed shapes: capturable.
+
+        The kept keys (valid, not in ``slots``) stay in order; each one moves up by the new keys below it, each
+        new key lands after the kept keys below it: one sort of ``M`` keys and elementwise work over the slots,
+        instead of a sort of all of them."""
+        size = self.sorted_keys.numel()  # S + 1
+        m = slots.numel()
+        if m == 0:
+            return
+        device = slots.device
+        position = torch.arange(m, device=device)
+        # One entry per distinct slot among `slots` (whichever repeat index_copy_ kept), and only valid ones.
+        winner = torch.full((size,), -1, dtype=torch.int64, device=device).index_copy_(0, slots, position)
+        first = (winner.index_select(0, slots) == position) & valid.index_select(0, slots)
+        new_keys, new_order = torch.sort(torch.where(first, self.slot_keys.index_select(0, slots), _MAX_KEY))
+        new_slots = slots.index_select(0, new_order)
+        changed = torch.zeros(size, dtype=torch.bool, device=device).index_fill_(0, slots, True)
+        old_slots = self.sorted_slots
+        kept = (
+            (self.sorted_keys != _MAX_KEY)
+            & valid.index_select(0, old_slots)
+            & ~changed.index_select(0, old_slots)
+        )
+        kept_before = torch.zeros(size + 1, dtype=torch.int64, device=device)
+        kept_before[1:] = torch.cumsum(kept, 0)
+        dummy = size  # the scratch entry past the index that dropped entries are written to
+        at_kept = kept_before[:-1] + torch.searchsorted(new_keys, self.sorted_keys, right=True)
+        at_new = position + kept_before.index_select(0, torch.searchsorted(self.sorted_keys, new_keys))
+        keys = torch.full((size + 1,), _MAX_KEY, dtype=torch.int64, device=device)
+        order = torch.full((size + 1,), size - 1, dtype=torch.int64, device=device)  # the trash slot
+        at_kept = torch.where(kept, at_kept, dummy)
+        at_new = torch.where(new_keys != _MAX_KEY, at_new, dummy)
+        keys.index_copy_(0, at_kept, self.sorted_keys).index_copy_(0, at_new, new_keys)
+        order.index_copy_(0, at_kept, old_slots).index_copy_(0, at_new, new_slots)
+        self.sorted_keys.copy_(keys[:size])
+        self.sorted_slots.copy_(order[:size])
 
     def find(
         self,

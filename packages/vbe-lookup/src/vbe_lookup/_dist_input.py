@@ -1102,7 +1102,7 @@ def _capacity(size: int) -> int:
 
 def _status(bad_lengths: Tensor, bad_ids: Tensor) -> Tensor:
     """Device-side status (no host sync, no host-to-device copy): bad lengths win over bad ids."""
-    return bad_lengths.to(torch.int64) * _BAD_LENGTHS + (bad_ids & ~bad_lengths).to(torch.int64) * _BAD_IDS
+    return torch.where(bad_lengths, _BAD_LENGTHS, torch.where(bad_ids, _BAD_IDS, _OK))
 
 
 def _uniform_batch_size(features: Any) -> int | None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -137,10 +138,16 @@ class PooledEmbeddings:
         self._keys = list(keys)
         self._length_per_key = [int(n) for n in length_per_key]
         self._values = values
-        offsets = [0]
-        for n in self._length_per_key:
-            offsets.append(offsets[-1] + n)
-        self._offsets = offsets
+        self._offsets = [0, *itertools.accumulate(self._length_per_key)]
+
+    @classmethod
+    def _sharing(cls, layout: PooledEmbeddings, values: Tensor) -> PooledEmbeddings:
+        """``values`` with ``layout``'s keys and dims, sharing its lists (never mutated: the accessors return
+        copies), so that a module's step builds no per-feature list."""
+        out = cls.__new__(cls)
+        out._keys, out._length_per_key, out._offsets = layout._keys, layout._length_per_key, layout._offsets
+        out._values = values
+        return out
 
     def keys(self) -> list[str]:
         """Feature names."""
@@ -617,6 +624,7 @@ class ShardedEmbeddingBags(_ShardedModule):
 
     def _init_output_dist(self) -> None:
         self._output_dist = PooledOutputDist(self.layout, self._comm)
+        self._pooled_layout: PooledEmbeddings | None = None
 
     def _kernel_features(self, dist_features: DistributedFeatures) -> VBEFeatures:
         return dist_features.features
@@ -633,7 +641,11 @@ class ShardedEmbeddingBags(_ShardedModule):
         anchor = _anchor(self.device)
         out = self._lookup(dist_features.features, anchor)
         values = self._output_dist(out, dist_features, anchor)
-        return PooledEmbeddings(self.layout.features, self._output_dist.feature_dims, values)
+        if self._pooled_layout is None:  # the keys and dims of every output, built once
+            self._pooled_layout = PooledEmbeddings(
+                self.layout.features, self._output_dist.feature_dims, values.new_empty(0)
+            )
+        return PooledEmbeddings._sharing(self._pooled_layout, values)
 
 
 class ShardedSequenceEmbeddings(_ShardedModule):
