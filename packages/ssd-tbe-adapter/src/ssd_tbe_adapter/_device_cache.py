@@ -36,8 +36,8 @@ and before the scratch pool grows (the copy reads every row).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,14 @@ from ssd_tbe_adapter._row_moves import StagingBuffers
 from ssd_tbe_adapter._slot_index import SlotIndex
 from ssd_tbe_adapter.errors import InvalidArgumentError
 
-__all__ = ["Assignment", "DeviceCache", "DeviceCacheMetrics", "StartedAssign"]
+__all__ = [
+    "Assignment",
+    "DeviceCache",
+    "DeviceCacheMetrics",
+    "LookupSource",
+    "StartedAssign",
+    "lookup_bucket",
+]
 
 _TICK_BITS = 40  # last-use ticks stay far below 2**40
 _MAX_USES = (1 << 20) - 1
@@ -94,7 +101,7 @@ class StartedAssign:
     :meth:`DeviceCache.finish_assign`; the buffers are ``None`` for an empty batch."""
 
     n: int  # lookups
-    key: tuple[int, ...] | None  # the survey's graph key
+    key: tuple[Hashable, ...] | None  # the survey's graph key (the steady move's graph extends it)
     survey: Survey | None
     host_missing: torch.Tensor | None  # pinned: the missing keys, written by the survey
     host_read: torch.Tensor | None  # pinned: the counts (and checks), written by the survey
@@ -104,6 +111,36 @@ class StartedAssign:
     before_rows: Callable[[], None] | None
     checks: torch.Tensor | None
     done: Any  # CUDA event after the survey (a deferred finish waits for it), else None
+    fixed: bool = (
+        False  # the survey's tensors are the same at every call of its key (see DeviceCache._graphed)
+    )
+    extra: torch.Tensor | None = None  # a LookupSource's extra output, its first n entries (a copy)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class LookupSource:
+    """A batch's ``n`` lookups as buffers the survey expands on the device, inside its graph: for a caller that
+    derives each lookup's table (and checks of its input) from its own layout, so that this work is replayed
+    with the survey instead of launched op by op (see :meth:`DeviceCache.start_assign_from`).
+
+    ``expand(scalars)`` (capturable: no sync, fixed shapes) returns ``(tables, ids, checks, extra)``: the
+    tables and ids of the lookups padded to ``lookup_bucket(n)`` (the padding repeats the first lookup), the
+    ``[checks]`` int64 checks read with the counts (see :meth:`DeviceCache.assign`), and a tensor the caller
+    gets back (its first ``n`` entries, copied). ``scalars``: ``[1, 2 + len(values)]`` int64 on the device:
+    protect, minus the padding's lookups, then ``values``. ``key``: the sizes of the buffers ``expand``
+    reads; the same key must mean the same buffers (their addresses are captured).
+    """
+
+    n: int
+    key: Hashable
+    values: tuple[int, ...]
+    checks: int
+    expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def lookup_bucket(n: int) -> int:
+    """The padded size of ``n`` lookups in a survey (see :class:`LookupSource`)."""
+    return _bucket(n)
 
 
 def _bucket(n: int) -> int:
@@ -236,6 +273,7 @@ class DeviceCache:
         self._staging = StagingBuffers(device)
         self._generation = 0  # bumped when the slot buffers are reallocated (the survey graphs read them)
         self._surveys: GraphedCalls[Survey] = GraphedCalls(device, self._survey)
+        self._sourced: GraphedCalls[tuple[Survey, torch.Tensor]] = GraphedCalls(device, self._sourced_survey)
         self._moves: GraphedCalls[torch.Tensor] = GraphedCalls(device, self._move_steady)
         self._allocate(self.region_size, keep=False)
 
@@ -285,6 +323,7 @@ class DeviceCache:
         self._index = SlotIndex(self.valid, self.slot_tables, self.slot_ids)
         self._generation += 1
         self._surveys.clear()
+        self._sourced.clear()
         self._moves.clear()
 
     def cached_rows(self) -> int:
@@ -351,8 +390,65 @@ class DeviceCache:
 
         ``deferred``: the finish may come after other work was queued on this stream (say a graph replay), so
         it waits for an event recorded after the survey instead of for the whole stream."""
-        self.metrics.assigns += 1
         n = ids.numel()
+        padded = _bucket(n)
+
+        def run(scalars: torch.Tensor, key: tuple[Hashable, ...], fixed: tuple[torch.Tensor, ...]) -> Survey:
+            inputs = [_pad(tables, padded), _pad(ids, padded), scalars]
+            if checks is not None:
+                inputs.append(checks)
+            return self._surveys(key, inputs, fixed=fixed)
+
+        started = self._start(
+            n, (), 0 if checks is None else checks.numel(), tick, protect, verify, before_rows, deferred, run
+        )
+        return replace(started, checks=checks, fixed=self._graphed(self._surveys, started.key))
+
+    def start_assign_from(
+        self,
+        source: LookupSource,
+        tick: int,
+        protect: int,
+        *,
+        verify: Callable[[list[int]], None] | None = None,
+        before_rows: Callable[[], None] | None = None,
+        deferred: bool = False,
+    ) -> StartedAssign:
+        """:meth:`start_assign` of the lookups ``source`` expands inside the survey's graph (its checks read
+        with the counts and handed to ``verify``); the result's ``extra`` is ``source``'s extra output."""
+        extra: list[torch.Tensor] = []
+
+        def run(scalars: torch.Tensor, key: tuple[Hashable, ...], fixed: tuple[torch.Tensor, ...]) -> Survey:
+            survey, out = self._sourced(("from", source.key, *key), [scalars], fixed=(source.expand, *fixed))
+            extra.append(out[: source.n].clone())  # the graph's tensor: rewritten by its next replay
+            return survey
+
+        started = self._start(
+            source.n, source.values, source.checks, tick, protect, verify, before_rows, deferred, run
+        )
+        key = None if started.key is None else ("from", source.key, *started.key)
+        fixed = self._graphed(self._sourced, key)
+        return replace(started, key=key, fixed=fixed, extra=extra[0] if extra else None)
+
+    def _graphed(self, calls: GraphedCalls[Any], key: Hashable | None) -> bool:
+        """Whether a survey's tensors are the same at every call of its key: a graph's (elsewhere than on CUDA
+        the survey runs eagerly, and so does the steady move that reads it)."""
+        return key is not None and (self.device.type != "cuda" or calls.captured(key))
+
+    def _start(
+        self,
+        n: int,
+        values: tuple[int, ...],
+        checks: int,
+        tick: int,
+        protect: int,
+        verify: Callable[[list[int]], None] | None,
+        before_rows: Callable[[], None] | None,
+        deferred: bool,
+        run: Callable[[torch.Tensor, tuple[Hashable, ...], tuple[torch.Tensor, ...]], Survey],
+    ) -> StartedAssign:
+        """The survey of ``n`` lookups, issued by ``run(scalars, key, fixed)`` (see :meth:`start_assign`)."""
+        self.metrics.assigns += 1
         if n == 0:
             return StartedAssign(
                 n=0,
@@ -364,7 +460,7 @@ class DeviceCache:
                 protect=protect,
                 verify=verify,
                 before_rows=before_rows,
-                checks=checks,
+                checks=None,
                 done=None,
             )
         # The survey (everything up to the read of its counts) runs over the lookups padded to a bucket size,
@@ -373,20 +469,13 @@ class DeviceCache:
         dram = self.lower if isinstance(self.lower, DramTier) else None
         columns = 3 if dram is not None else 2
         host_missing = self._staging.get(f"missing{padded}", padded, columns, torch.int64)
-        host_read = self._staging.get(
-            f"read{padded}", 1, 6 + (0 if checks is None else checks.numel()), torch.int64
-        )
-        scalars = self._staging.get("scalars", 1, 2, torch.int64)
-        scalars.numpy()[0] = (protect, n - padded)  # the victim choice's bound, the padding's negative count
-        inputs = [
-            _pad(tables, padded),
-            _pad(ids, padded),
-            self._staging.copy_up("scalars", scalars, self.device),
-        ]
-        if checks is not None:
-            inputs.append(checks)
+        host_read = self._staging.get(f"read{padded}", 1, 6 + checks, torch.int64)
+        scalars = self._staging.get(f"scalars{len(values)}", 1, 2 + len(values), torch.int64)
+        # The victim choice's bound, the padding's negative count, then the source's values.
+        scalars.numpy()[0] = (protect, n - padded, *values)
         key = (padded, columns, host_read.shape[1], self._generation)
-        survey = self._surveys(key, inputs, fixed=(host_missing, host_read))
+        moved = self._staging.copy_up(f"scalars{len(values)}", scalars, self.device)
+        survey = run(moved, key, (host_missing, host_read))
         done = None
         if deferred and self.device.type == "cuda":
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
@@ -401,7 +490,7 @@ class DeviceCache:
             protect=protect,
             verify=verify,
             before_rows=before_rows,
-            checks=checks,
+            checks=None,
             done=done,
         )
 
@@ -440,7 +529,7 @@ class DeviceCache:
         if m:
             self.metrics.assigns_with_misses += 1
             found, dram_free = values[4], values[5]
-            if dram is not None and self._steady(key, dram, m, overflow, found, dram_free):
+            if dram is not None and self._steady(started.fixed, dram, m, overflow, found, dram_free):
                 if before_rows is not None:
                     before_rows()  # victims' rows and dirty flags below; writes into the slots after
                 slots = self._steady_moves(key, survey, m, tick, protect)
@@ -489,6 +578,17 @@ class DeviceCache:
             inserted=m,
         )
 
+    def _sourced_survey(
+        self,
+        scalars: torch.Tensor,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+        host_missing: torch.Tensor,
+        host_read: torch.Tensor,
+    ) -> tuple[Survey, torch.Tensor]:
+        """:meth:`_survey` of the lookups a :class:`LookupSource`'s ``expand`` builds (capturable)."""
+        tables, ids, checks, extra = expand(scalars)
+        return self._survey(tables, ids, scalars, checks, host_missing, host_read), extra
+
     def _survey(
         self,
         tables: torch.Tensor,
@@ -507,7 +607,7 @@ class DeviceCache:
         n = ids.numel()
         device = self.device
         u_tables, u_ids, counts, inverse, unique = _unique_pairs(tables, ids)
-        counts.index_add_(0, inverse[:1], scalars[0, 1:])  # the padding's repeats of the first lookup
+        counts.index_add_(0, inverse[:1], scalars[0, 1:2])  # the padding's repeats of the first lookup
         protect = scalars[0, 0]
         real = torch.arange(n, device=device) < unique  # padding past the unique pairs
         slots = self.lookup(u_tables, u_ids)
@@ -615,18 +715,15 @@ class DeviceCache:
         order = order.index_select(0, torch.argsort(self.region_of_slot.index_select(0, order), stable=True))
         return torch.where(in_region, order.index_select(0, region_position), -1)
 
-    def _steady(
-        self, key: tuple[int, ...], dram: DramTier, m: int, overflow: int, found: int, free: int
-    ) -> bool:
+    def _steady(self, fixed: bool, dram: DramTier, m: int, overflow: int, found: int, free: int) -> bool:
         """Whether an assignment's ``m`` misses need nothing of the host: every one in the DRAM tier, room there
         for the victims, no scratch growth, and (on CUDA) its survey replayed from a graph: the move's graph
         reads the survey's tensors, which must be the same at every call (elsewhere both run eagerly)."""
         room = min(m, dram.capacity) - free - found <= 0
-        fixed = self.device.type != "cuda" or self._surveys.captured(key)
         return not overflow and found == m and m <= dram.capacity and room and fixed
 
     def _steady_moves(
-        self, key: tuple[int, ...], survey: Survey, m: int, tick: int, protect: int
+        self, key: tuple[Hashable, ...], survey: Survey, m: int, tick: int, protect: int
     ) -> torch.Tensor:
         """The ``m`` misses of a steady assignment (see :meth:`_steady`) moved in from the DRAM tier as one
         CUDA graph replay per (survey, padded ``m``) (the first call eager): the survey's slots with them."""

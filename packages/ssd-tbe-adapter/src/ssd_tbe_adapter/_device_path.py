@@ -28,6 +28,7 @@ offsets handed to prefetch must be ready on its stream (the pipeline's handoff).
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ from typing import Any, Literal, cast
 import torch
 import torch.nn.functional as F
 
-from ssd_tbe_adapter._device_cache import DeviceCache, StartedAssign
+from ssd_tbe_adapter._device_cache import DeviceCache, LookupSource, StartedAssign, lookup_bucket
 from ssd_tbe_adapter._dram_tier import DramTier
 from ssd_tbe_adapter._host_tier import HostTier, RowTier, StoreTier
 from ssd_tbe_adapter._layout import allocate_output, bag_grads, chained_input_grad, place_pooled
@@ -141,6 +142,10 @@ class DevicePath:
         self._open: set[int] = set()  # ticks of batches whose rows must not move
         self._pending: deque[_Batch | _Failed] = deque()
         self._tables_of_bags: dict[tuple[int, ...], torch.Tensor] = {}
+        # A prefetch's ids, offsets and bags' tables, per (padded lookups, padded bags): the survey's graph
+        # reads them by address (its key names the generation: bumped when the dict is cleared).
+        self._lookup_buffers: dict[tuple[int, int], _LookupBuffers] = {}
+        self._buffers_generation = 0
         self._main_event: Any = None
         self._insert_event: Any = None
         # Captured forwards (CUDA graphs) read a batch's slots from these, per lookup count N.
@@ -520,15 +525,14 @@ class DevicePath:
         return self._finish(self._start(plan, indices, offsets, deferred=False), moved)
 
     def _start(self, plan: Plan, indices: torch.Tensor, offsets: torch.Tensor, *, deferred: bool) -> _Started:
-        """:meth:`_assign` up to its survey (device work, no sync): the batch's tick is held from here."""
+        """:meth:`_assign` up to its survey (device work, no sync): the batch's tick is held from here.
+
+        The lookups' tables (from the bags' tables by ``offsets``), their padding and the checks of
+        ``offsets`` (read with the survey's counts) are worked out inside the survey (see
+        :func:`_expand_lookups`): the host copies the ids, offsets and bags' tables into the buffers of their
+        size and issues one replay."""
         self._wait_insert()  # the slot metadata the last assignment wrote (on another stream, maybe)
         lookups = indices.numel()
-        bag_of_lookup = _bag_of_lookup(offsets, lookups)
-        tables = self._table_of_bags(plan).index_select(0, bag_of_lookup)
-        wide = offsets.to(torch.int64)
-        checks = torch.stack(
-            [wide[0], wide[-1], (wide[1:] < wide[:-1]).any().to(torch.int64)]
-        )  # read by the assignment, with its counts
 
         def verify(values: list[int]) -> None:
             check_offset_values(values[0], values[1], lookups, decreasing=bool(values[2]))
@@ -537,21 +541,64 @@ class DevicePath:
         tick = self._tick
         self._open.add(tick)
         try:
-            started = self.cache.start_assign(
-                tables,
-                indices.to(torch.int64),
-                tick,
-                min(self._open),
-                checks=checks,
-                verify=verify,
-                before_rows=self._wait_main,
-                deferred=deferred,
-            )
+            if lookups:
+                source = self._lookup_source(plan, indices, offsets)
+                started = self.cache.start_assign_from(
+                    source,
+                    tick,
+                    min(self._open),
+                    verify=verify,
+                    before_rows=self._wait_main,
+                    deferred=deferred,
+                )
+                assert started.extra is not None  # a survey ran
+                bag_of_lookup = started.extra
+            else:
+                bag_of_lookup = torch.zeros(0, dtype=torch.int64, device=self._device)
+                wide = offsets.to(torch.int64)
+                checks = torch.stack([wide[0], wide[-1], (wide[1:] < wide[:-1]).any().to(torch.int64)])
+                started = self.cache.start_assign(
+                    bag_of_lookup,
+                    bag_of_lookup,
+                    tick,
+                    min(self._open),
+                    checks=checks,
+                    verify=verify,
+                    before_rows=self._wait_main,
+                    deferred=deferred,
+                )
         except BaseException:
             self._open.discard(tick)
             raise
         stream = torch.cuda.current_stream(self._device) if self._cuda else None
         return _Started(plan, indices, offsets, bag_of_lookup, indices._version, started, stream)
+
+    def _lookup_source(self, plan: Plan, indices: torch.Tensor, offsets: torch.Tensor) -> LookupSource:
+        """The batch's ids, offsets and bags' tables copied into the buffers of their padded sizes (no sync),
+        for the survey to expand (:func:`_expand_lookups`)."""
+        lookups, bags = indices.numel(), offsets.numel() - 1
+        size = (lookup_bucket(lookups), lookup_bucket(max(bags, 1)))
+        buffers = self._lookup_buffers.get(size)
+        if buffers is None:
+            if len(self._lookup_buffers) >= 64:
+                self._lookup_buffers.clear()
+                self._buffers_generation += 1
+            buffers = _LookupBuffers(
+                ids=torch.zeros(size[0], dtype=torch.int64, device=self._device),
+                offsets=torch.zeros(size[1] + 1, dtype=torch.int64, device=self._device),
+                tables=torch.zeros(size[1], dtype=torch.int64, device=self._device),
+            )
+            self._lookup_buffers[size] = buffers
+        buffers.ids[:lookups].copy_(indices)
+        buffers.offsets[: bags + 1].copy_(offsets)
+        buffers.tables[:bags].copy_(self._table_of_bags(plan))
+        return LookupSource(
+            n=lookups,
+            key=(*size, self._buffers_generation),
+            values=(lookups, bags),
+            checks=3,
+            expand=functools.partial(_expand_lookups, buffers),
+        )
 
     def _finish(self, started: _Started, moved: str) -> _Batch:
         """The rest of :meth:`_assign` (on the stream of its start)."""
@@ -680,6 +727,43 @@ class DevicePath:
 def _capturing(device: torch.device) -> bool:
     """Whether the current CUDA stream of ``device`` is capturing a graph (never on the CPU)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _LookupBuffers:
+    """One padded size's prefetch inputs on the device (int64): ``ids`` ``[P]``, ``offsets`` ``[Q + 1]`` and the
+    table of each bag ``[Q]``; a batch fills their first ``n``, ``bags + 1`` and ``bags`` entries."""
+
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    tables: torch.Tensor
+
+
+_NO_END = (1 << 63) - 1  # the end of a padding bag: past every lookup
+
+
+def _expand_lookups(
+    buffers: _LookupBuffers, scalars: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prefetch's lookups from its buffers, inside the survey (no sync, fixed shapes): the table and id of each
+    lookup padded to ``P`` (repeats of the first lookup), the checks of ``offsets`` (first, last, whether any
+    decreases) and the bag of each lookup (as :func:`_bag_of_lookup`: clamped, in bounds whatever ``offsets``
+    holds). ``scalars``: ``[1, 4]`` int64, the survey's two, then the lookups ``n`` and the bags."""
+    n, bags = scalars[0, 2], scalars[0, 3]
+    device = buffers.ids.device
+    position = torch.arange(buffers.ids.numel(), device=device)
+    real = position < n
+    bag_positions = torch.arange(buffers.tables.numel(), device=device)
+    in_batch = bag_positions < bags
+    ends = torch.where(in_batch, buffers.offsets[1:], _NO_END)
+    bag = torch.minimum(torch.searchsorted(ends, position, right=True), (bags - 1).clamp(min=0))
+    tables = buffers.tables.index_select(0, bag)
+    tables = torch.where(real, tables, tables[0])
+    ids = torch.where(real, buffers.ids, buffers.ids[0])
+    wide = buffers.offsets
+    decreasing = ((wide[1:] < wide[:-1]) & in_batch).any()
+    checks = torch.stack([wide[0], wide.index_select(0, bags.view(1))[0], decreasing.to(torch.int64)])
+    return tables, ids, checks, bag
 
 
 def _bag_of_lookup(offsets: torch.Tensor, lookups: int) -> torch.Tensor:

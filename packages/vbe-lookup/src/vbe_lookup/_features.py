@@ -178,15 +178,16 @@ class VBEFeatures:
         return len(self._stride[0]) if self._stride else 0
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> VBEFeatures:
-        """A copy on ``device`` (the host-side layout is shared)."""
+        """A copy on ``device`` (the host-side layout is shared, checked when this one was built: no
+        per-feature work)."""
         weights = self._weights
-        return VBEFeatures(
+        return VBEFeatures._built(
             self._keys,
             self._values.to(device, non_blocking=non_blocking),
             self._lengths.to(device, non_blocking=non_blocking),
             self._stride,
             None if weights is None else weights.to(device, non_blocking=non_blocking),
-            length_per_key=self._length_per_key,
+            self._length_per_key,
         )
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
