@@ -1429,6 +1429,39 @@ def test_cuda_hash_kernel_is_bit_equal_to_the_torch_hash() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("slots", [1, 7, 1025, 40000])
+def test_cuda_find_kernel_gives_the_torch_lookup(slots: int) -> None:
+    """The Triton find (hash, binary search, slot check in one launch) gives the torch SlotIndex lookup's slots:
+    valid and freed slots, absent keys, huge and negative ids, every index size's search depth."""
+    from ssd_tbe_adapter._find_kernel import find_pairs
+    from ssd_tbe_adapter._slot_index import SlotIndex
+
+    gen = torch.Generator().manual_seed(slots)
+    valid = torch.rand(slots + 1, generator=gen) < 0.7
+    valid[slots - 1] = True
+    valid[-1] = False
+    tables = torch.randint(0, 4, (slots + 1,), generator=gen)
+    ids = torch.randperm(10 * slots + 10, generator=gen)[: slots + 1] - 3 * slots
+    ids[: min(3, slots)] += 1 << 61
+    index = SlotIndex(valid, tables, ids)
+    valid[: slots // 3] = False  # freed since the index was built: never found
+    probe_tables = torch.cat([tables, torch.randint(0, 4, (333,), generator=gen)])
+    probe_ids = torch.cat([ids, torch.randint(-3 * slots, 7 * slots + 10, (333,), generator=gen)])
+    want = index.find(probe_tables, probe_ids, valid, tables, ids)
+    assert int((want >= 0).sum()) > 0
+    got = find_pairs(
+        probe_tables.cuda(),
+        probe_ids.cuda(),
+        index.sorted_keys.cuda(),
+        index.sorted_slots.cuda(),
+        valid.cuda(),
+        tables.cuda(),
+        ids.cuda(),
+    )
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
 def test_cuda_row_moves_match_torch_on_pinned_rows() -> None:
     """The Triton kernels that move rows between the device and pinned host memory give torch's index ops:
     a gather into a strided view that skips ``-1`` rows, a scatter where several rows hit the trash row."""

@@ -106,6 +106,18 @@ class SlotIndex:
         slot_ids: torch.Tensor,
     ) -> torch.Tensor:
         """Slots of ``(tables[i], ids[i])`` (``[N]`` int64 on the device), ``-1`` where not held. No sync."""
+        if ids.device.type == "cuda" and moves_on_device(ids.device):  # one Triton launch
+            from ssd_tbe_adapter._find_kernel import find_pairs
+
+            return find_pairs(
+                tables.contiguous(),
+                ids.contiguous(),
+                self.sorted_keys,
+                self.sorted_slots,
+                valid,
+                slot_tables,
+                slot_ids,
+            )
         keys = hash_keys(tables, ids)
         last = self.sorted_keys.numel() - 1
         position = torch.searchsorted(self.sorted_keys, keys).clamp_(max=last)
