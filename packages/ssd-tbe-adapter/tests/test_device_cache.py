@@ -738,6 +738,71 @@ def test_bad_host_cache_rows_is_rejected() -> None:
         make_module("cpu", on_device=False, cache_rows=2, host_cache_rows=4)
 
 
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("chained", [False, True], ids=["own-output", "vbe_output"])
+def test_one_block_layout_matches_the_host_path(pooling: str, chained: bool) -> None:
+    """One rank's VBE layout with one dim (every feature's bags one block of the output: the device path's one
+    copy forward and one gradient view backward) gives the host-cache path's outputs, gradients and rows,
+    mean pooling and a chained ``vbe_output`` (whose untouched part keeps its gradient) included."""
+    tables = [TableSpec("a", 6), TableSpec("b", 6)]
+    ftm, batch = [0, 1, 0], 5
+    gen = torch.Generator().manual_seed(3)
+
+    def module(on_device: bool) -> KeyValueEmbeddingBags:
+        return KeyValueEmbeddingBags(
+            tables,
+            ftm,
+            MemoryStore(),
+            cache_rows=4,
+            optimizer="rowwise_adagrad",
+            learning_rate=LR,
+            pooling=pooling,  # type: ignore[arg-type]
+            device="cpu",
+            cache_on_device=on_device,
+        )
+
+    device_path, host_path = module(True), module(False)
+    sizes = [[batch]] * len(ftm)
+    lead = 7  # elements of the chained buffer before this module's blocks
+    for step in range(6):
+        lengths = torch.randint(0, 4, (batch * len(ftm),), generator=gen)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        indices = ID_POOL[torch.randint(0, ID_POOL.numel(), (int(offsets[-1]),), generator=gen)]
+        total = batch * len(ftm) * 6
+        probe = torch.randn(lead + total, generator=gen)
+        outs, grads = [], []
+        for m in (device_path, host_path):
+            if chained:
+                base = torch.zeros(lead + total, requires_grad=True)
+                buffer = base * 1.0  # a non-leaf the module writes in place
+                offsets_out = torch.tensor([[lead + f * batch * 6 for f in range(len(ftm))]])
+                out = m(
+                    indices,
+                    offsets,
+                    batch_size_per_feature_per_rank=sizes,
+                    vbe_output=buffer,
+                    vbe_output_offsets=offsets_out,
+                )
+            else:
+                base = None
+                out = torch.cat(
+                    [torch.zeros(lead), m(indices, offsets, batch_size_per_feature_per_rank=sizes)]
+                )
+            (out * probe).sum().backward()
+            outs.append(out.detach())
+            grads.append(None if base is None else base.grad)
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+        if chained:
+            torch.testing.assert_close(grads[0], grads[1])
+            torch.testing.assert_close(grads[0][:lead], probe[:lead])  # the part no block overwrote
+            assert bool((grads[0][lead:] == 0).all())
+    mine, theirs = stored_rows(device_path), stored_rows(host_path)
+    assert mine.keys() == theirs.keys() and mine
+    for key, (w, state) in mine.items():
+        torch.testing.assert_close(w, theirs[key][0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(state, theirs[key][1], atol=1e-6, rtol=1e-6)
+
+
 def test_device_cache_lookup_and_victims() -> None:
     """DeviceCache alone: misses are moved in once per unique row, hits keep their slot, protected slots are
     never victims and the oldest unprotected slot is."""

@@ -47,7 +47,7 @@ class KVBagFunction(torch.autograd.Function):
             ctx.plan, ctx.indices_device, ctx.rows, ctx.per_sample_weights, grad_output.contiguous()
         )
         grad_vbe: torch.Tensor | None = None
-        if ctx.chained:
+        if ctx.chained and ctx.needs_input_grad[2]:  # the chain's first kernel writes a fresh buffer
             # Our blocks overwrote whatever the input buffer held there: no gradient flows to it.
             feature_dims = [module._dims[table] for table in module._feature_table_map]
             grad_vbe = chained_input_grad(ctx.plan, grad_output, feature_dims)

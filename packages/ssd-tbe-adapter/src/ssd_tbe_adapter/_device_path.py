@@ -41,7 +41,13 @@ import torch.nn.functional as F
 from ssd_tbe_adapter._device_cache import DeviceCache, LookupSource, StartedAssign, lookup_bucket
 from ssd_tbe_adapter._dram_tier import DramTier
 from ssd_tbe_adapter._host_tier import HostTier, RowTier, StoreTier
-from ssd_tbe_adapter._layout import allocate_output, bag_grads, chained_input_grad, place_pooled
+from ssd_tbe_adapter._layout import (
+    allocate_output,
+    bag_grads,
+    chained_input_grad,
+    one_block_start,
+    place_pooled,
+)
 from ssd_tbe_adapter._optimizer import RowOptimizer
 from ssd_tbe_adapter._plan import Plan, check_offset_values, plan_batch
 from ssd_tbe_adapter._row_moves import moves_on_device
@@ -651,12 +657,17 @@ class DevicePath:
         if pooling == "mean":
             pooled = pooled / (offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)[:, None]
         output = allocate_output(plan, self._feature_dims, self._device, vbe_output)
-        column = 0
-        for feature, dim in enumerate(self._feature_dims):
-            start, bags = plan.bag_start[feature], plan.num_bags[feature]
-            if bags:
-                place_pooled(plan, output, feature, column, pooled[start : start + bags, :dim])
-            column += dim
+        block = one_block_start(plan, self._feature_dims)
+        if block is not None:  # every feature's bags in one block: one copy
+            bags, dim = pooled.shape[0], self._feature_dims[0]
+            output[block : block + bags * dim].view(bags, dim).copy_(pooled[:, :dim])
+        else:
+            column = 0
+            for feature, dim in enumerate(self._feature_dims):
+                start, bags = plan.bag_start[feature], plan.num_bags[feature]
+                if bags:
+                    place_pooled(plan, output, feature, column, pooled[start : start + bags, :dim])
+                column += dim
         rows = weights.index_select(0, batch.slots) if keep_rows else None
         return output, rows
 
@@ -675,15 +686,22 @@ class DevicePath:
         if not capturing:  # a replay's stage waited for the insert, and replayed() records the stream
             self._wait_insert()
         offsets = batch.offsets.to(torch.int64)
-        grad_bags = grad_output.new_zeros(offsets.numel() - 1, self.cache.dmax)
-        column = 0
-        for feature, dim in enumerate(self._feature_dims):
-            start, bags = plan.bag_start[feature], plan.num_bags[feature]
-            if bags:
-                grad_bags[start : start + bags, :dim] = bag_grads(plan, grad_output, feature, column, dim)
-            column += dim
-        if pooling == "mean":
-            grad_bags /= (offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)[:, None]
+        bags, dmax = offsets.numel() - 1, self.cache.dmax
+        block = one_block_start(plan, self._feature_dims)
+        if block is not None and self._feature_dims[0] == dmax:  # one view of the output's gradient
+            grad_bags = grad_output.view(-1)[block : block + bags * dmax].view(bags, dmax)
+        else:
+            grad_bags = grad_output.new_zeros(bags, dmax)
+            column = 0
+            for feature, dim in enumerate(self._feature_dims):
+                start, count = plan.bag_start[feature], plan.num_bags[feature]
+                if count:
+                    grad_bags[start : start + count, :dim] = bag_grads(
+                        plan, grad_output, feature, column, dim
+                    )
+                column += dim
+        if pooling == "mean":  # not in place: grad_bags may be a view of grad_output
+            grad_bags = grad_bags / (offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)[:, None]
         grad_lookups = grad_bags.index_select(0, batch.bag_of_lookup)
         grad_psw = None
         if rows is not None:
@@ -830,5 +848,7 @@ class _SlotBagFunction(torch.autograd.Function):
         ctx.state = None
         grad_output = grad_output.contiguous()
         grad_psw = path.update(plan, batch, psw, rows, grad_output, optimizer, pooling)
+        # The chained buffer's gradient only where it needs one (the chain's first kernel writes a fresh buffer).
+        chained = chained and ctx.needs_input_grad[2]
         grad_vbe = chained_input_grad(plan, grad_output, path.feature_dims()) if chained else None
         return None, grad_psw, grad_vbe, None, None, None, None, None

@@ -14,7 +14,7 @@ import torch
 
 from ssd_tbe_adapter._plan import Plan
 
-__all__ = ["allocate_output", "bag_grads", "chained_input_grad", "place_pooled"]
+__all__ = ["allocate_output", "bag_grads", "chained_input_grad", "one_block_start", "place_pooled"]
 
 
 def allocate_output(
@@ -26,6 +26,32 @@ def allocate_output(
             return vbe_output
         return torch.empty(plan.output_numel, dtype=torch.float32, device=device)
     return torch.empty(plan.batch_size, sum(feature_dims), dtype=torch.float32, device=device)
+
+
+def one_block_start(plan: Plan, feature_dims: Sequence[int]) -> int | None:
+    """Where the pooled bags of every feature form one ``[bags, D]`` block of a VBE output, in bag order (one
+    rank's layout with one ``D``): its first element, else ``None``. Then the whole forward output is one copy
+    and its gradient one view, instead of a copy per feature."""
+    if not plan.vbe or not feature_dims or len(set(feature_dims)) != 1:
+        return None
+    dim = feature_dims[0]
+    first_start: int | None = None
+    for feature, blocks in enumerate(plan.blocks):
+        live = [block for block in blocks if block[1]]
+        if not live:
+            if plan.num_bags[feature]:
+                return None
+            continue
+        if len(live) != 1:
+            return None
+        first, count, start = live[0]
+        if first or count != plan.num_bags[feature]:
+            return None
+        if first_start is None:
+            first_start = start - dim * plan.bag_start[feature]
+        if start != first_start + dim * plan.bag_start[feature]:
+            return None
+    return first_start
 
 
 def place_pooled(plan: Plan, output: torch.Tensor, feature: int, column: int, pooled: torch.Tensor) -> None:
