@@ -764,7 +764,7 @@ def test_one_block_layout_matches_the_host_path(pooling: str, chained: bool) -> 
     device_path, host_path = module(True), module(False)
     sizes = [[batch]] * len(ftm)
     lead = 7  # elements of the chained buffer before this module's blocks
-    for step in range(6):
+    for _ in range(6):
         lengths = torch.randint(0, 4, (batch * len(ftm),), generator=gen)
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         indices = ID_POOL[torch.randint(0, ID_POOL.numel(), (int(offsets[-1]),), generator=gen)]
@@ -797,7 +797,8 @@ def test_one_block_layout_matches_the_host_path(pooling: str, chained: bool) -> 
             torch.testing.assert_close(grads[0][:lead], probe[:lead])  # the part no block overwrote
             assert bool((grads[0][lead:] == 0).all())
     mine, theirs = stored_rows(device_path), stored_rows(host_path)
-    assert mine.keys() == theirs.keys() and mine
+    assert mine
+    assert mine.keys() == theirs.keys()
     for key, (w, state) in mine.items():
         torch.testing.assert_close(w, theirs[key][0], atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(state, theirs[key][1], atol=1e-6, rtol=1e-6)
