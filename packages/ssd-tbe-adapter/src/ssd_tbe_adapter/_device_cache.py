@@ -1069,8 +1069,9 @@ class DeviceCache:
         out["hbm_hit_rate"] = m.hits / m.lookups if m.lookups else 0.0
         out["hbm_slots"] = float(self.slots)
         out["hbm_scratch_slots"] = float(self.slots - self.region_size)
-        out["hbm_survey_graph_replays"] = float(self._surveys.replays)
-        out["hbm_survey_graph_captures"] = float(self._surveys.captures)
+        # Both kinds of survey graph: of tables and ids (start_assign) and of a LookupSource (start_assign_from).
+        out["hbm_survey_graph_replays"] = float(self._surveys.replays + self._sourced.replays)
+        out["hbm_survey_graph_captures"] = float(self._surveys.captures + self._sourced.captures)
         out["hbm_move_graph_replays"] = float(self._moves.replays)
         out["hbm_cached_rows"] = float(self.cached_rows())
         out.update(self.lower.summary())
