@@ -124,7 +124,8 @@ def test_group_batch_matches_per_table_reference(
         dims=[2] * 4,
         device=torch.device("cpu"),
     )
-    groups = group_batch(plan, indices_cpu, feature_table_map)
+    batch = group_batch(plan, indices_cpu, feature_table_map)
+    groups = batch.tables
     assert sorted(groups) == sorted(set(feature_table_map))
     for table, group in groups.items():
         features = [f for f, t in enumerate(feature_table_map) if t == table]
@@ -154,3 +155,34 @@ def test_group_batch_matches_per_table_reference(
             assert group.sorted_bags[row_offsets[row] : row_offsets[row + 1]].tolist() == [
                 lookup_bags[p] for p in span
             ]
+    # The batch-wide grouping: every table's unique rows in table order, each lookup's row among them, and
+    # the bags (numbered over the whole batch) of each row's lookups, in the per-table order.
+    keys = [(table, int(u)) for table, group in groups.items() for u in group.unique.tolist()]
+    bag_of_lookup = np.repeat(np.arange(len(lengths)), lengths).tolist()
+    table_of_lookup = np.repeat(
+        [feature_table_map[f] for f in range(len(feature_table_map)) for _ in range(plan.num_bags[f])],
+        lengths,
+    ).tolist()
+    assert [keys[u] for u in batch.inverse.tolist()] == list(zip(table_of_lookup, ids, strict=True))
+    batch_offsets = batch.row_offsets.tolist()
+    assert batch_offsets[0] == 0
+    assert batch_offsets[-1] == len(ids)
+    assert len(batch_offsets) == len(keys) + 1
+    for row, key in enumerate(keys):
+        row_bags = batch.sorted_bags[batch_offsets[row] : batch_offsets[row + 1]].tolist()
+        table = key[0]
+        group = groups[table]
+        local = group.unique.tolist().index(key[1])
+        ro = group.row_offsets.tolist()
+        # Same bags in the same order as the table's own transpose (bag numbers shifted to the batch's).
+        local_bags = group.sorted_bags[ro[local] : ro[local + 1]].tolist()
+        features = [f for f, t in enumerate(feature_table_map) if t == table]
+        starts = np.cumsum([0] + [plan.num_bags[f] for f in features])
+        expected = []
+        for bag in local_bags:
+            k = int(np.searchsorted(starts, bag, side="right")) - 1
+            expected.append(plan.bag_start[features[k]] + bag - int(starts[k]))
+        assert row_bags == expected
+        assert sorted(row_bags) == [
+            bag_of_lookup[p] for p in range(len(ids)) if (table_of_lookup[p], ids[p]) == key
+        ]
