@@ -222,10 +222,14 @@ def _fused_run(
         batches.append((ids, torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])))
     outputs = []
     sizes = batch_sizes if vbe else None
+    # Each prefetch finishes before the next call: a row updated in the cache and one updated through to the
+    # store may differ in the last bit (fused multiply-add), so the cache contents must not depend on timing.
     module.prefetch(*batches[0], sizes)
+    module.wait_prefetch()
     for step, (ids, offsets) in enumerate(batches):
         if step + 1 < len(batches):
             module.prefetch(*batches[step + 1], sizes)
+            module.wait_prefetch()
         vbe_output = vbe_output_offsets = None
         if use_vbe_output:
             # Blocks at row boundaries, rank-major, with a gap a chained kernel would fill.

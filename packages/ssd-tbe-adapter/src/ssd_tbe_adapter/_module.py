@@ -7,8 +7,8 @@ move between cache and store (``_tier``), prefetch jobs (``_prefetch``), the row
 (``_metrics``) and the autograd node (``_autograd``).
 
 Threads and locking: the training thread runs forward/backward/flush and, when no prefetch job is in flight,
-a prefetch's survey (on the CPU also its inserts); reader threads run a prefetch's store reads, and on CUDA
-one background thread runs the rest of the prefetch jobs in FIFO order (see ``_prefetch``). Every cache or
+a prefetch's survey; one background thread runs the rest of the prefetch jobs (the misses' store reads, on
+reader threads, and inserts) in FIFO order (see ``_prefetch``). Every cache or
 store *metadata* change happens under the tier's lock; the only work done without the lock is a prefetch
 job's store read.
 
@@ -283,15 +283,16 @@ class KeyValueEmbeddingBags(nn.Module):
         *,
         complete: bool = True,
     ) -> None:
-        """Bring the rows of a future batch into the cache (store reads on background threads).
+        """Bring the rows of a future batch into the cache; the rows it must read from the store, on a background
+        thread.
 
         A later :meth:`forward` of the same batch (the same tensors unchanged, or equal ids, offsets and bag
         counts: matched by content, so ``indices`` changed in place after this call is not mistaken for the
         prefetched batch) waits for this prefetch and reuses its id grouping; prefetches queued before the
-        matched one are dropped, and a forward matching none leaves the queue as it is. Store reads run on
-        reader threads (this call waits for them on the CPU, where the inserts run at this call; on CUDA a
-        background thread inserts the rows, its row copies on the stream current at this call, the
-        pipeline's prefetch stream, and forward's stream waits for them).
+        matched one are dropped, and a forward matching none leaves the queue as it is. The lookup of the
+        batch's rows runs at this call when no earlier prefetch is still reading; store reads and inserts run
+        on the background thread; on CUDA its row copies run on the stream current at this call (the
+        pipeline's prefetch stream) and forward's stream waits for them.
 
         Args:
             indices: ``[N]`` ids on :attr:`device`.

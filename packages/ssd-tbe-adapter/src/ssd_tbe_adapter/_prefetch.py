@@ -2,10 +2,10 @@
 
 A job is a survey (group the batch, look its rows up, protect the cached ones) and, for the misses, a fetch
 (store reads, then inserts). When no job is in flight the survey runs on the calling thread, and a batch
-whose rows are all cached is done there (no thread is woken). A fetch's store reads run on a small pool of
-reader threads, one task per table, so they overlap its inserts; the inserts run on the calling thread on the
-CPU (a job thread would only take turns with the training thread for the GIL) and on one job thread on CUDA,
-which also runs, in order, every job submitted while another is in flight. The read is the only work done
+whose rows are all cached is done there: no thread is woken (the handoff, and the GIL going back and forth
+between the threads, cost more than the survey). Fetches run on one job thread, which also runs, in order,
+every job submitted while another is in flight; their store reads run on a small pool of reader threads, one
+task per table, so they overlap the job's inserts. The read is the only work done
 without the tier's lock, and it may race with a write-back of the same id (an eviction by the training
 thread), so each job remembers the store write epoch before reading and, when writes happened meanwhile,
 re-reads the ids that were written.
@@ -99,8 +99,8 @@ class Prefetcher:
     ) -> Future[BatchGroups]:
         """A job whose survey runs on the calling thread (no job running): a batch whose rows are all cached
         is done here, without waking a thread (a thread handoff and the GIL going back and forth cost more
-        than the survey). Its misses: read by the reader threads; inserted here on the CPU, by the job thread
-        on CUDA (whose row copies run on the prefetch stream)."""
+        than the survey). Its misses go to the job thread (reads on the reader threads, inserts there), which
+        overlaps them with the training thread's work and collective waits."""
         executor = self._executor
         assert executor is not None
         future: Future[BatchGroups] = Future()
@@ -111,15 +111,6 @@ class Prefetcher:
             return future
         if misses is None:
             future.set_result(batch)
-            return future
-        if not self._tier.cuda:
-            # On the CPU the inserts are host work like the training thread's own: a job thread would only
-            # take turns with it for the GIL (each turn a wait of up to the interpreter's switch interval).
-            # Here they run now, as the reader threads deliver each table's rows.
-            try:
-                future.set_result(self._fetch(batch, misses, stream))
-            except Exception as exc:  # raised at the batch's forward, as a job thread's error is
-                future.set_exception(exc)
             return future
         future = executor.submit(self._fetch, batch, misses, stream)
         self._running = future
