@@ -64,6 +64,48 @@ def test_incremental_index_matches_the_valid_slots(rounds: list[list[int]], capa
         assert cache.lookup(missing[:count]).tolist() == slots.tolist()
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "fill", "drop", "clear"]), st.lists(st.integers(0, 9), max_size=6)
+        ),
+        max_size=12,
+    ),
+    want=st.integers(0, 12),
+)
+def test_free_slots_without_a_pass_match_the_lowest_invalid_slots(
+    ops: list[tuple[str, list[int]]], want: int
+) -> None:
+    """Whatever inserts (into the free slots it hands out), fills of any invalid slots, drops and clears came
+    before, the free slots a cache hands out are its lowest invalid slots, as a pass over the capacity finds them."""
+    cache = TableCache(10, 2, torch.float32, 0, torch.device("cpu"))
+    next_id = 0
+    for op, picks in ops:
+        valid = cache.valid.numpy()
+        if op in ("insert", "fill"):
+            if op == "insert":
+                slots = cache.choose_victims(len(picks), tick=0)[0].tolist()
+            else:
+                slots = sorted({p for p in picks if not valid[p]})
+            ids = torch.arange(next_id, next_id + len(slots), dtype=torch.int64)
+            next_id += len(slots)
+            cache.fill(
+                torch.tensor(slots, dtype=torch.int64),
+                ids,
+                torch.zeros(len(slots), 2),
+                torch.zeros(len(slots), 0),
+                1,
+            )
+        elif op == "drop":
+            cache.drop(torch.tensor(sorted({p for p in picks if valid[p]}), dtype=torch.int64))
+        else:
+            cache.clear()
+        free, victims = cache.choose_victims(want, tick=0)  # tick 0: no row is old enough to be a victim
+        assert victims.numel() == 0
+        assert free.tolist() == np.flatnonzero(~cache.valid.numpy())[:want].tolist()
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     ids=st.lists(

@@ -140,6 +140,10 @@ class TableCache:
         self.last_used = torch.zeros(capacity, dtype=torch.int64)
         self.uses = torch.zeros(capacity, dtype=torch.int64)
         self._evicted_since_aging = 0
+        # Slots [_fresh, C) held no row since construction or clear(); _holes invalid slots lie below _fresh.
+        # With no hole the free slots are known without a pass over the capacity (a cold cache's inserts).
+        self._fresh = 0
+        self._holes = 0
         self.fills = 0  # number of :meth:`fill` calls that cached rows
         self.sorted_ids = torch.zeros(0, dtype=torch.int64)
         self.sorted_slots = torch.zeros(0, dtype=torch.int64)
@@ -222,7 +226,10 @@ class TableCache:
             their rows (the caller writes dirty ones back, then calls :meth:`drop`).
         """
         valid = self.valid.numpy()
-        free = torch.from_numpy(np.flatnonzero(~valid)[:count])
+        if self._holes == 0:  # the lowest invalid slots, as the pass below would find them
+            free = torch.arange(self._fresh, min(self.capacity, self._fresh + count), dtype=torch.int64)
+        else:
+            free = torch.from_numpy(np.flatnonzero(~valid)[:count])
         missing = count - free.numel()
         if missing <= 0:
             return free, torch.zeros(0, dtype=torch.int64)
@@ -252,6 +259,7 @@ class TableCache:
             return
         self.valid.index_fill_(0, slots, False)
         self.dirty.index_fill_(0, slots, False)
+        self._holes += slots.numel()  # valid slots all lie below _fresh
         self.generation += 1
         self._stale = True
         if reindex:
@@ -273,6 +281,11 @@ class TableCache:
         if slots.numel() == 0:
             return
         self.fills += 1
+        # The slots are invalid: those below the old mark were holes, and the new mark's range takes the rest, so
+        # the holes change by the slots the mark moved over minus the slots filled.
+        fresh = max(self._fresh, int(slots.numpy().max()) + 1)
+        self._holes += fresh - self._fresh - slots.numel()
+        self._fresh = fresh
         device_slots = slots.to(self.device, non_blocking=True)
         copy_rows(self.weights, device_slots, weights.to(self.device, self.weights.dtype).contiguous())
         if self.state.shape[1]:
@@ -288,6 +301,7 @@ class TableCache:
         """Forget every row (the caller has flushed dirty rows)."""
         self.valid.zero_()
         self.dirty.zero_()
+        self._fresh = self._holes = 0
         self.generation += 1
         self._stale = False
         self.sorted_ids = torch.zeros(0, dtype=torch.int64)
