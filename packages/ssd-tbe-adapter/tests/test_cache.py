@@ -64,6 +64,48 @@ def test_incremental_index_matches_the_valid_slots(rounds: list[list[int]], capa
         assert cache.lookup(missing[:count]).tolist() == slots.tolist()
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["insert", "fill", "drop", "clear"]), st.lists(st.integers(0, 9), max_size=6)
+        ),
+        max_size=12,
+    ),
+    want=st.integers(0, 12),
+)
+def test_free_slots_without_a_pass_match_the_lowest_invalid_slots(
+    ops: list[tuple[str, list[int]]], want: int
+) -> None:
+    """Whatever inserts (into the free slots it hands out), fills of any invalid slots, drops and clears came
+    before, the free slots a cache hands out are its lowest invalid slots, as a pass over the capacity finds them."""
+    cache = TableCache(10, 2, torch.float32, 0, torch.device("cpu"))
+    next_id = 0
+    for op, picks in ops:
+        valid = cache.valid.numpy()
+        if op in ("insert", "fill"):
+            if op == "insert":
+                slots = cache.choose_victims(len(picks), tick=0)[0].tolist()
+            else:
+                slots = sorted({p for p in picks if not valid[p]})
+            ids = torch.arange(next_id, next_id + len(slots), dtype=torch.int64)
+            next_id += len(slots)
+            cache.fill(
+                torch.tensor(slots, dtype=torch.int64),
+                ids,
+                torch.zeros(len(slots), 2),
+                torch.zeros(len(slots), 0),
+                1,
+            )
+        elif op == "drop":
+            cache.drop(torch.tensor(sorted({p for p in picks if valid[p]}), dtype=torch.int64))
+        else:
+            cache.clear()
+        free, victims = cache.choose_victims(want, tick=0)  # tick 0: no row is old enough to be a victim
+        assert victims.numel() == 0
+        assert free.tolist() == np.flatnonzero(~cache.valid.numpy())[:want].tolist()
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     ids=st.lists(
@@ -124,7 +166,8 @@ def test_group_batch_matches_per_table_reference(
         dims=[2] * 4,
         device=torch.device("cpu"),
     )
-    groups = group_batch(plan, indices_cpu, feature_table_map)
+    batch = group_batch(plan, indices_cpu, feature_table_map)
+    groups = batch.tables
     assert sorted(groups) == sorted(set(feature_table_map))
     for table, group in groups.items():
         features = [f for f, t in enumerate(feature_table_map) if t == table]
@@ -154,3 +197,34 @@ def test_group_batch_matches_per_table_reference(
             assert group.sorted_bags[row_offsets[row] : row_offsets[row + 1]].tolist() == [
                 lookup_bags[p] for p in span
             ]
+    # The batch-wide grouping: every table's unique rows in table order, each lookup's row among them, and
+    # the bags (numbered over the whole batch) of each row's lookups, in the per-table order.
+    keys = [(table, int(u)) for table, group in groups.items() for u in group.unique.tolist()]
+    bag_of_lookup = np.repeat(np.arange(len(lengths)), lengths).tolist()
+    table_of_lookup = np.repeat(
+        [feature_table_map[f] for f in range(len(feature_table_map)) for _ in range(plan.num_bags[f])],
+        lengths,
+    ).tolist()
+    assert [keys[u] for u in batch.inverse.tolist()] == list(zip(table_of_lookup, ids, strict=True))
+    batch_offsets = batch.row_offsets.tolist()
+    assert batch_offsets[0] == 0
+    assert batch_offsets[-1] == len(ids)
+    assert len(batch_offsets) == len(keys) + 1
+    for row, key in enumerate(keys):
+        row_bags = batch.sorted_bags[batch_offsets[row] : batch_offsets[row + 1]].tolist()
+        table = key[0]
+        group = groups[table]
+        local = group.unique.tolist().index(key[1])
+        ro = group.row_offsets.tolist()
+        # Same bags in the same order as the table's own transpose (bag numbers shifted to the batch's).
+        local_bags = group.sorted_bags[ro[local] : ro[local + 1]].tolist()
+        features = [f for f, t in enumerate(feature_table_map) if t == table]
+        starts = np.cumsum([0] + [plan.num_bags[f] for f in features])
+        expected = []
+        for bag in local_bags:
+            k = int(np.searchsorted(starts, bag, side="right")) - 1
+            expected.append(plan.bag_start[features[k]] + bag - int(starts[k]))
+        assert row_bags == expected
+        assert sorted(row_bags) == [
+            bag_of_lookup[p] for p in range(len(ids)) if (table_of_lookup[p], ids[p]) == key
+        ]

@@ -95,7 +95,7 @@ def _grouped(
         dims=[2] * 3,
         device=torch.device("cpu"),
     )
-    groups = group_batch(plan, indices_cpu, feature_table_map)
+    groups = group_batch(plan, indices_cpu, feature_table_map).tables
     return {
         table: [
             group.unique.tolist(),
@@ -177,3 +177,104 @@ def test_vbe_layouts_cached_per_shape_stay_independent() -> None:
     )
     assert given.blocks == [[(0, 1, 20), (1, 2, 30)], [(0, 3, 0), (3, 0, 9)]]
     assert given.output_numel == 40
+
+
+def _fused_run(
+    *,
+    fused: bool,
+    vbe: bool,
+    use_vbe_output: bool,
+    optimizer: str,
+    cache_rows: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[list[torch.Tensor], list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], int]:
+    """Five prefetched steps over three tables of one width (feature 3 shares table 0); the outputs, every
+    stored row afterwards, and how many forwards took the fused step."""
+    from ssd_tbe_adapter import KeyValueEmbeddingBags, MemoryStore, TableSpec
+
+    module = KeyValueEmbeddingBags(
+        [TableSpec("a", 4), TableSpec("b", 4), TableSpec("c", 4)],
+        [0, 1, 2, 0],
+        MemoryStore(),
+        cache_rows=cache_rows,
+        optimizer="sgd" if optimizer == "sgd" else "rowwise_adagrad",
+        learning_rate=0.1,
+    )
+    taken = 0
+    fused_forward = module._fused_forward
+
+    def counted(
+        plan: _plan.Plan, per_sample_weights: torch.Tensor | None, vbe_output: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        nonlocal taken
+        out = fused_forward(plan, per_sample_weights, vbe_output) if fused else None
+        taken += out is not None
+        return out
+
+    monkeypatch.setattr(module, "_fused_forward", counted)
+    gen = torch.Generator().manual_seed(3)
+    batch_sizes = [[2, 3], [1, 2], [3, 0], [2, 2]]
+    batches = []
+    for step in range(5):
+        bags = sum(map(sum, batch_sizes)) if vbe else 4 * 3
+        lengths = torch.randint(0, 4, (bags,), generator=gen)
+        ids = torch.randint(0, 6 if step < 3 else 40, (int(lengths.sum()),), generator=gen)
+        batches.append((ids, torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])))
+    outputs = []
+    sizes = batch_sizes if vbe else None
+    # Each prefetch finishes before the next call: a row updated in the cache and one updated through to the
+    # store may differ in the last bit (fused multiply-add), so the cache contents must not depend on timing.
+    module.prefetch(*batches[0], sizes)
+    module.wait_prefetch()
+    for step, (ids, offsets) in enumerate(batches):
+        if step + 1 < len(batches):
+            module.prefetch(*batches[step + 1], sizes)
+            module.wait_prefetch()
+        vbe_output = vbe_output_offsets = None
+        if use_vbe_output:
+            # Blocks at row boundaries, rank-major, with a gap a chained kernel would fill.
+            vbe_output = torch.full((4 * 40,), 7.0)
+            vbe_output_offsets = torch.tensor([[0, 8, 12, 24], [80, 92, 100, 104]])
+        out = module(ids, offsets, None, sizes, vbe_output, vbe_output_offsets)
+        grad = torch.linspace(-1.0, 1.0, out.numel()).view_as(out)
+        out.backward(grad)
+        outputs.append(out.detach().clone())
+    rows = [(c.table, c.ids, c.weights, c.optimizer_state) for c in module.checkpoint()]
+    module.close()
+    return outputs, rows, taken
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"], ids=["sgd", "adagrad"])
+@pytest.mark.parametrize(
+    ("vbe", "use_vbe_output"),
+    [(False, False), (True, False), (True, True)],
+    ids=["flat", "vbe", "vbe_output"],
+)
+@pytest.mark.parametrize("cache_rows", [64, 6], ids=["fits", "evicts"])
+def test_fused_step_equals_per_table_step_bit_for_bit(
+    optimizer: str, vbe: bool, use_vbe_output: bool, cache_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused host-cache step (one pooled lookup and one optimizer step over every table) gives the very
+    outputs and rows of the per-table path, also when evictions make some batches take the per-table path."""
+    runs = [
+        _fused_run(
+            fused=fused,
+            vbe=vbe,
+            use_vbe_output=use_vbe_output,
+            optimizer=optimizer,
+            cache_rows=cache_rows,
+            monkeypatch=monkeypatch,
+        )
+        for fused in (True, False)
+    ]
+    (fused_out, fused_rows, taken), (plain_out, plain_rows, none) = runs
+    assert none == 0
+    assert taken == 5 if cache_rows == 64 else 1 <= taken < 5
+    for a, b in zip(fused_out, plain_out, strict=True):
+        assert torch.equal(a, b)
+    assert len(fused_rows) == len(plain_rows) > 0
+    for (ta, ia, wa, sa), (tb, ib, wb, sb) in zip(fused_rows, plain_rows, strict=True):
+        assert ta == tb
+        assert torch.equal(ia, ib)
+        assert torch.equal(wa, wb)
+        assert torch.equal(sa, sb)

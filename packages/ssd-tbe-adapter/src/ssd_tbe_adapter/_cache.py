@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["TableCache", "copy_rows", "select_rows"]
+__all__ = ["RowSlab", "TableCache", "copy_rows", "select_rows"]
 
 # Row copies move raw bits: torch's CPU index kernels are several times faster on integer than on
 # float or uint8 elements (measured with torch 2.13, one thread).
@@ -61,6 +61,38 @@ _MAX_VOUCHED = 8
 _MAX_USES = (1 << 22) - 1
 
 
+class RowSlab:
+    """The slot storage of several tables' caches of one row width in one buffer each (weights, optimizer state,
+    dirty flags): table ``t``'s slot ``s`` is row ``bases[t] + s``, so one index op reaches every table's rows.
+
+    Args:
+        capacities: slots per table.
+        dim: the tables' common row width ``D``.
+        weight_dtype: float32 or float16.
+        state_width: optimizer state floats per row ``S``.
+        device: where the weights and state live (the dirty flags stay on the host).
+    """
+
+    def __init__(
+        self,
+        capacities: list[int],
+        dim: int,
+        weight_dtype: torch.dtype,
+        state_width: int,
+        device: torch.device,
+    ) -> None:
+        self.bases = np.concatenate([[0], np.cumsum(capacities, dtype=np.int64)])
+        rows = int(self.bases[-1])
+        self.weights = torch.zeros(rows, dim, dtype=weight_dtype, device=device)
+        self.state = torch.zeros(rows, state_width, dtype=torch.float32, device=device)
+        self.dirty = torch.zeros(rows, dtype=torch.bool)
+
+    def rows(self, table: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of table ``table``'s slots: ``(weights [C, D], state [C, S], dirty [C])``."""
+        lo, hi = int(self.bases[table]), int(self.bases[table + 1])
+        return self.weights[lo:hi], self.state[lo:hi], self.dirty[lo:hi]
+
+
 class TableCache:
     """Slots for ``capacity`` rows of one table with frequency-then-recency (aged LFU) eviction.
 
@@ -78,24 +110,40 @@ class TableCache:
         weight_dtype: float32 or float16.
         state_width: optimizer state floats per row ``S`` (0 for SGD, 1 for row-wise Adagrad).
         device: where the row storage lives.
+        storage: ``(weights [C, D], state [C, S], dirty [C])`` to use as the slot storage (zeroed; a
+            :meth:`RowSlab.rows`), instead of tensors of its own.
     """
 
     aging_turnovers = 8
     """Use counts are halved after this many cache turnovers (``capacity`` evictions each)."""
 
     def __init__(
-        self, capacity: int, dim: int, weight_dtype: torch.dtype, state_width: int, device: torch.device
+        self,
+        capacity: int,
+        dim: int,
+        weight_dtype: torch.dtype,
+        state_width: int,
+        device: torch.device,
+        *,
+        storage: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.capacity = capacity
         self.device = device
-        self.weights = torch.zeros(capacity, dim, dtype=weight_dtype, device=device)
-        self.state = torch.zeros(capacity, state_width, dtype=torch.float32, device=device)
+        if storage is None:
+            self.weights = torch.zeros(capacity, dim, dtype=weight_dtype, device=device)
+            self.state = torch.zeros(capacity, state_width, dtype=torch.float32, device=device)
+            self.dirty = torch.zeros(capacity, dtype=torch.bool)
+        else:
+            self.weights, self.state, self.dirty = storage
         self.slot_ids = torch.zeros(capacity, dtype=torch.int64)
         self.valid = torch.zeros(capacity, dtype=torch.bool)
-        self.dirty = torch.zeros(capacity, dtype=torch.bool)
         self.last_used = torch.zeros(capacity, dtype=torch.int64)
         self.uses = torch.zeros(capacity, dtype=torch.int64)
         self._evicted_since_aging = 0
+        # Slots [_fresh, C) held no row since construction or clear(); _holes invalid slots lie below _fresh.
+        # With no hole the free slots are known without a pass over the capacity (a cold cache's inserts).
+        self._fresh = 0
+        self._holes = 0
         self.fills = 0  # number of :meth:`fill` calls that cached rows
         self.sorted_ids = torch.zeros(0, dtype=torch.int64)
         self.sorted_slots = torch.zeros(0, dtype=torch.int64)
@@ -178,7 +226,10 @@ class TableCache:
             their rows (the caller writes dirty ones back, then calls :meth:`drop`).
         """
         valid = self.valid.numpy()
-        free = torch.from_numpy(np.flatnonzero(~valid)[:count])
+        if self._holes == 0:  # the lowest invalid slots, as the pass below would find them
+            free = torch.arange(self._fresh, min(self.capacity, self._fresh + count), dtype=torch.int64)
+        else:
+            free = torch.from_numpy(np.flatnonzero(~valid)[:count])
         missing = count - free.numel()
         if missing <= 0:
             return free, torch.zeros(0, dtype=torch.int64)
@@ -208,6 +259,7 @@ class TableCache:
             return
         self.valid.index_fill_(0, slots, False)
         self.dirty.index_fill_(0, slots, False)
+        self._holes += slots.numel()  # valid slots all lie below _fresh
         self.generation += 1
         self._stale = True
         if reindex:
@@ -229,6 +281,11 @@ class TableCache:
         if slots.numel() == 0:
             return
         self.fills += 1
+        # The slots are invalid: those below the old mark were holes, and the new mark's range takes the rest, so
+        # the holes change by the slots the mark moved over minus the slots filled.
+        fresh = max(self._fresh, int(slots.numpy().max()) + 1)
+        self._holes += fresh - self._fresh - slots.numel()
+        self._fresh = fresh
         device_slots = slots.to(self.device, non_blocking=True)
         copy_rows(self.weights, device_slots, weights.to(self.device, self.weights.dtype).contiguous())
         if self.state.shape[1]:
@@ -244,6 +301,7 @@ class TableCache:
         """Forget every row (the caller has flushed dirty rows)."""
         self.valid.zero_()
         self.dirty.zero_()
+        self._fresh = self._holes = 0
         self.generation += 1
         self._stale = False
         self.sorted_ids = torch.zeros(0, dtype=torch.int64)

@@ -8,13 +8,22 @@ caller's ``vbe_output`` buffer.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ssd_tbe_adapter._plan import Plan
 
-__all__ = ["allocate_output", "bag_grads", "chained_input_grad", "one_block_start", "place_pooled"]
+__all__ = [
+    "allocate_output",
+    "bag_grads",
+    "chained_input_grad",
+    "one_block_start",
+    "output_rows",
+    "place_pooled",
+]
 
 
 def allocate_output(
@@ -89,3 +98,36 @@ def chained_input_grad(plan: Plan, grad_output: torch.Tensor, feature_dims: Sequ
         for _, bags, start in blocks:
             flat[start : start + bags * dim].zero_()
     return grad
+
+
+def output_rows(plan: Plan, dim: int, vbe_numel: int | None) -> torch.Tensor | None:
+    """When every feature is ``dim`` wide: the row of each bag (bag order, ``[num_bags]`` int64 host) in the
+    output viewed as ``[-1, dim]`` (a caller's ``vbe_output`` of ``vbe_numel`` elements, else the plan's own);
+    ``None`` when a block does not start on a row boundary. Cached per layout."""
+    if plan.vbe:
+        blocks = tuple(tuple(feature_blocks) for feature_blocks in plan.blocks)
+        return _vbe_output_rows(blocks, dim, vbe_numel)
+    return _flat_output_rows(len(plan.num_bags), plan.batch_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _vbe_output_rows(
+    blocks: tuple[tuple[tuple[int, int, int], ...], ...], dim: int, vbe_numel: int | None
+) -> torch.Tensor | None:
+    if vbe_numel is not None and vbe_numel % dim:
+        return None
+    parts = []
+    for feature_blocks in blocks:
+        for _, count, start in feature_blocks:  # consecutive bags of the feature, rank by rank
+            if count:
+                if start % dim:
+                    return None
+                parts.append(np.arange(start // dim, start // dim + count, dtype=np.int64))
+    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+
+
+@functools.lru_cache(maxsize=256)
+def _flat_output_rows(num_features: int, batch_size: int) -> torch.Tensor:
+    # Bag b of feature f is row b of the feature's column block: row b * F + f of [B * F, D].
+    rows = np.arange(batch_size * num_features, dtype=np.int64).reshape(batch_size, num_features)
+    return torch.from_numpy(np.ascontiguousarray(rows.T).reshape(-1))

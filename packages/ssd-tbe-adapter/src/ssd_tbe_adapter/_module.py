@@ -6,9 +6,16 @@ move between cache and store (``_tier``), prefetch jobs (``_prefetch``), the row
 (``_optimizer``), the record layout (``_records``), checkpoint files (``_checkpoint``), counters
 (``_metrics``) and the autograd node (``_autograd``).
 
-Threads and locking: the training thread runs forward/backward/flush; one background thread runs prefetch
-jobs in FIFO order. Every cache or store *metadata* change happens under the tier's lock; the only work
-done without the lock is a prefetch job's store read (see ``_prefetch``). Backward applies each row's update
+Threads and locking: the training thread runs forward/backward/flush and, when no prefetch job is in flight,
+a prefetch's survey; one background thread runs the rest of the prefetch jobs (the misses' store reads, on
+reader threads, and inserts) in FIFO order (see ``_prefetch``). Every cache or
+store *metadata* change happens under the tier's lock; the only work done without the lock is a prefetch
+job's store read.
+
+The fused host-cache step: tables of one width keep their cache slots in one slab (``_cache.RowSlab``), so on
+the CPU a batch whose rows its prefetch left cached is pooled by one ``embedding_bag`` over every table and
+updated by one optimizer step (``_fused_forward``, ``_fused_backward``), with the same sums, term by term, as
+the per-table path that serves every other case. Backward applies each row's update
 to wherever the row lives *at backward time* (cache slot, else the store); a slot remembered from forward
 (or from the prefetch) is used only after checking that it still holds the row, so no update depends on the
 cache size or on timing.
@@ -32,7 +39,7 @@ from ssd_tbe_adapter._checkpoint import read_chunks, read_manifest, verify_check
 from ssd_tbe_adapter._checks import check_cache_rows, check_feature_table_map, check_options, check_tables
 from ssd_tbe_adapter._device_path import DevicePath
 from ssd_tbe_adapter._init import table_salt
-from ssd_tbe_adapter._layout import allocate_output, bag_grads, place_pooled
+from ssd_tbe_adapter._layout import allocate_output, bag_grads, output_rows, place_pooled
 from ssd_tbe_adapter._optimizer import Optimizer, RowOptimizer
 from ssd_tbe_adapter._plan import Plan, device_inverse, group_batch, plan_batch
 from ssd_tbe_adapter._prefetch import Prefetcher
@@ -251,13 +258,14 @@ class KeyValueEmbeddingBags(nn.Module):
             vbe_output_offsets,
             **self._layout_args(),
         )
-        groups = self._prefetcher.take(indices, offsets, plan, indices_cpu)
+        batch = self._prefetcher.take(indices, offsets, plan, indices_cpu)
         self._tier.metrics.forwards += 1
-        if groups is None:
+        if batch is None:
             self._tier.metrics.forwards_without_prefetch += 1
-            groups = group_batch(plan, indices_cpu, self._feature_table_map)
-            self._tier.count_first_look(groups)
-        plan.groups = groups
+            batch = group_batch(plan, indices_cpu, self._feature_table_map)
+            self._tier.count_first_look(batch.tables)
+        plan.groups = batch.tables
+        plan.batch = batch
         indices_device = device_inverse(plan, self._feature_table_map, self._device)
         psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32)
         if torch.is_grad_enabled():
@@ -275,14 +283,16 @@ class KeyValueEmbeddingBags(nn.Module):
         *,
         complete: bool = True,
     ) -> None:
-        """Bring the rows of a future batch into the cache on a background thread.
+        """Bring the rows of a future batch into the cache; the rows it must read from the store, on a background
+        thread.
 
         A later :meth:`forward` of the same batch (the same tensors unchanged, or equal ids, offsets and bag
         counts: matched by content, so ``indices`` changed in place after this call is not mistaken for the
         prefetched batch) waits for this prefetch and reuses its id grouping; prefetches queued before the
-        matched one are dropped, and a forward matching none leaves the queue as it is. Store reads run on the
-        background thread; on CUDA the row copies run on the stream current at this call (the pipeline's
-        prefetch stream) and forward's stream waits for them.
+        matched one are dropped, and a forward matching none leaves the queue as it is. The lookup of the
+        batch's rows runs at this call when no earlier prefetch is still reading; store reads and inserts run
+        on the background thread; on CUDA its row copies run on the stream current at this call (the
+        pipeline's prefetch stream) and forward's stream waits for them.
 
         Args:
             indices: ``[N]`` ids on :attr:`device`.
@@ -653,6 +663,9 @@ class KeyValueEmbeddingBags(nn.Module):
         per_sample_weights: torch.Tensor | None,
         vbe_output: torch.Tensor | None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor | None]]:
+        fused = self._fused_forward(plan, per_sample_weights, vbe_output)
+        if fused is not None:
+            return fused, {}
         # Rows are copied out of the cache only where needed: tables with misses (scratch rows), fp16 weights
         # (pooled in float32) and a per-sample-weight gradient (backward reads the forward's rows). Otherwise
         # the lookups are mapped to cache slots and pooled straight from the cache.
@@ -685,6 +698,61 @@ class KeyValueEmbeddingBags(nn.Module):
                 place_pooled(plan, output, feature, column, pooled)
             column += dim
         return output, rows
+
+    def _fused_forward(
+        self, plan: Plan, per_sample_weights: torch.Tensor | None, vbe_output: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The fused host-cache step's forward: every table's bags pooled by one ``embedding_bag`` straight
+        from the slab and placed into the output by one ``index_copy_`` (the same sums, term by term, as the
+        per-feature path), when the batch allows it: CPU, tables of one width in a float32 slab, sum
+        pooling, no per-sample weights, every row still where its prefetch left it, and each output block on
+        a row boundary. ``None`` otherwise (nothing changed: the per-table path runs)."""
+        batch = plan.batch
+        slab = self._tier.slab
+        if (
+            self._cuda
+            or batch is None
+            or slab is None
+            or per_sample_weights is not None
+            or self.pooling != "sum"
+            or not plan.num_bags
+        ):
+            return None
+        dim = self._dims[0]
+        bag_rows = output_rows(plan, dim, None if vbe_output is None else vbe_output.numel())
+        if bag_rows is None:
+            return None
+        slots = self._tier.gather_batch(batch, plan.slots)
+        if slots is None:
+            return None
+        lookups = torch.from_numpy(slots.numpy()[batch.inverse.numpy()])
+        pooled = F.embedding_bag(lookups, slab.weights, plan.offsets, mode="sum", include_last_offset=True)
+        output = allocate_output(
+            plan, [self._dims[t] for t in self._feature_table_map], self._device, vbe_output
+        )
+        output.view(-1, dim).index_copy_(0, bag_rows, pooled)
+        plan.fused_slots = slots
+        plan.bag_rows = bag_rows
+        return output
+
+    def _fused_backward(self, plan: Plan, grad_output: torch.Tensor) -> None:
+        """The fused host-cache step's backward (after :meth:`_fused_forward`): each bag's gradient read by one
+        gather, every row's gradient by one ``embedding_bag`` over the batch's transpose, one optimizer step
+        over the slab (see :meth:`CacheTier.apply_update_batch`)."""
+        batch, slots, bag_rows = plan.batch, plan.fused_slots, plan.bag_rows
+        # All three set by _fused_forward.
+        assert batch is not None
+        assert slots is not None
+        assert bag_rows is not None
+        grad_bags = grad_output.view(-1, self._dims[0]).index_select(0, bag_rows)
+        if slots.numel():
+            grad_rows = F.embedding_bag(
+                batch.sorted_bags, grad_bags, batch.row_offsets, mode="sum", include_last_offset=True
+            )
+        else:
+            grad_rows = grad_bags.new_zeros(0, grad_bags.shape[1])
+        optimizer = RowOptimizer(self.optimizer, self.learning_rate, self.eps)
+        self._tier.apply_update_batch(batch, slots, grad_rows, optimizer)
 
     def _pool(
         self,
@@ -719,6 +787,9 @@ class KeyValueEmbeddingBags(nn.Module):
         per_sample_weights: torch.Tensor | None,
         grad_output: torch.Tensor,
     ) -> torch.Tensor | None:
+        if plan.fused_slots is not None:
+            self._fused_backward(plan, grad_output)
+            return None
         want_psw = per_sample_weights is not None and per_sample_weights.requires_grad
         grad_psw = (
             torch.zeros_like(per_sample_weights) if per_sample_weights is not None and want_psw else None

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from ssd_tbe_adapter._cache import TableCache
+from ssd_tbe_adapter._cache import RowSlab, TableCache
 
 __all__ = ["Optimizer", "RowOptimizer"]
 
@@ -34,9 +34,10 @@ class RowOptimizer:
         scale = state.sqrt().add_(self.eps).reciprocal_().mul_(-self.learning_rate)
         return weights.addcmul_(grads, scale), state
 
-    def step_in_place(self, cache: TableCache, slots: torch.Tensor, grads: torch.Tensor) -> None:
-        """:meth:`step` on float32 cache rows ``slots`` (``[K]`` unique, on the device), without copying the
-        rows out and back: the state and weight updates are ``index_add_`` of the (same) increments."""
+    def step_in_place(self, cache: TableCache | RowSlab, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """:meth:`step` on float32 cache rows ``slots`` (``[K]`` unique, on the device) of one table's cache or
+        of a slab of several, without copying the rows out and back: the state and weight updates are
+        ``index_add_`` of the (same) increments."""
         if self.kind == "sgd":
             cache.weights.index_add_(0, slots, grads, alpha=-self.learning_rate)
             return

@@ -17,6 +17,7 @@ from ssd_tbe_adapter._checks import describe
 from ssd_tbe_adapter.errors import InvalidArgumentError
 
 __all__ = [
+    "BatchGroups",
     "Plan",
     "TableGroup",
     "check_offset_values",
@@ -48,6 +49,21 @@ class TableGroup:
 
 
 @dataclass(slots=True)
+class BatchGroups:
+    """:class:`TableGroup` of every table of one batch, and the same grouping over all tables at once.
+
+    The batch-wide arrays number the unique rows of every table together, in the order of ``tables``
+    (table ascending, then id: table ``t``'s rows are a contiguous run), so one pooled lookup and one
+    transpose serve all tables (the fused host-cache step of ``_module``). All host int64.
+    """
+
+    tables: dict[int, TableGroup]  # per table present in the batch, ascending
+    inverse: torch.Tensor  # [N]: each lookup's row among all tables' unique rows
+    sorted_bags: torch.Tensor  # [N]: the bag (over the whole batch) of each lookup, sorted by unique row
+    row_offsets: torch.Tensor  # [U + 1]: lookups of unique row u are sorted_bags[ro[u]:ro[u+1]]
+
+
+@dataclass(slots=True)
 class Plan:
     """Host-side description of one forward call (validated inputs, layout, per-table unique ids)."""
 
@@ -62,6 +78,11 @@ class Plan:
     output_numel: int = 0
     # per table whose unique rows were all cached at forward: their slots (backward checks they still are)
     slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    batch: BatchGroups | None = None  # the grouping ``groups`` came from (``groups is batch.tables``)
+    # The fused host-cache step (``_module``): every unique row's slab slot ([U] int64 host, in
+    # ``batch`` order) when the forward pooled all tables at once, and the output row of each bag.
+    fused_slots: torch.Tensor | None = None
+    bag_rows: torch.Tensor | None = None
 
 
 def plan_batch(
@@ -297,6 +318,7 @@ class _GroupLayout:
     tables: np.ndarray[Any, np.dtype[np.int64]]  # [N] table of each lookup
     local_position: np.ndarray[Any, np.dtype[np.int64]]  # [N] position within its table's lookups
     local_bag: np.ndarray[Any, np.dtype[np.int64]]  # [N] bag within its table's bags
+    bag: np.ndarray[Any, np.dtype[np.int64]]  # [N] bag of each lookup within the batch
     num_groups: int  # table numbers are < this
     names: list[int]  # the tables, ascending
     features: dict[int, list[int]]  # per table, its features in order
@@ -341,14 +363,15 @@ def _group_layout(
     # Sorted by (table, id), the lookups of table names[i] come after those of every smaller table.
     sizes = np.array([table_lookups[table] for table in names], dtype=np.int64)
     lookup_hi = np.cumsum(sizes)
+    bag = np.repeat(np.arange(total_bags, dtype=np.int64), lengths)[:n]
     return _GroupLayout(
         offsets=offsets.copy(),
         first=int(bounds[0]),
         counts=counts.tolist(),
         tables=np.repeat(tables, counts),
         local_position=np.arange(n, dtype=np.int64) - np.repeat(lookup_shift, counts),
-        local_bag=np.repeat(np.arange(total_bags, dtype=np.int64), lengths)[:n]
-        - np.repeat(bag_shift, counts),
+        local_bag=bag - np.repeat(bag_shift, counts),
+        bag=bag,
         num_groups=int(tables.max()) + 1 if num_features else 1,
         names=names,
         features=features,
@@ -390,14 +413,13 @@ class _GroupLayouts:
         return layout
 
 
-# About 50 MB of layouts at most (six int64 arrays per lookup).
+# About 60 MB of layouts at most (seven int64 arrays per lookup).
 _LAYOUTS = _GroupLayouts(1 << 20)
 
 
-def group_batch(
-    plan: Plan, indices_cpu: torch.Tensor, feature_table_map: Sequence[int]
-) -> dict[int, TableGroup]:
-    """Per table: unique ids of the batch, each feature's lookups into them, and their transpose (host).
+def group_batch(plan: Plan, indices_cpu: torch.Tensor, feature_table_map: Sequence[int]) -> BatchGroups:
+    """Per table: unique ids of the batch, each feature's lookups into them, and their transpose (host); and
+    the same over all tables at once (see :class:`BatchGroups`).
 
     One sort of every lookup of the batch by ``(table, id)`` gives all tables' unique ids, inverses and
     transposes together (numpy over the whole batch); per table only slices of the results are taken, so the
@@ -422,8 +444,10 @@ def group_batch(
     firsts -= is_first
     unique_lo = firsts[layout.lookup_lo]
     unique_hi = firsts[layout.lookup_hi]
-    # Position of each sorted lookup's row among its table's unique rows.
+    # Position of each sorted lookup's row among all unique rows, then among its table's unique rows.
     rank = firsts[1 : n + 1] - 1
+    batch_inverse = np.empty(n, dtype=np.int64)
+    batch_inverse[order] = rank
     rank -= np.repeat(unique_lo, layout.table_lookups)
     inverse_np = np.empty(n, dtype=np.int64)
     inverse_np[order] = rank
@@ -446,7 +470,12 @@ def group_batch(
             # starts[u_hi] is the next table's first lookup (hi), or n after the last table.
             row_offsets=torch.from_numpy(starts[u_lo : u_hi + 1] - lo),
         )
-    return groups
+    return BatchGroups(
+        tables=groups,
+        inverse=torch.from_numpy(batch_inverse),
+        sorted_bags=torch.from_numpy(layout.bag[order]),
+        row_offsets=torch.from_numpy(starts),
+    )
 
 
 def device_inverse(plan: Plan, feature_table_map: Sequence[int], device: torch.device) -> list[torch.Tensor]:

@@ -1,9 +1,14 @@
-"""Prefetch: a FIFO queue of jobs that bring a future batch's rows into the cache on background threads.
+"""Prefetch: a FIFO queue of jobs that bring a future batch's rows into the cache.
 
-One job thread runs the jobs in order; each job's store reads run on a small pool of reader threads, one task
-per table, so they overlap the job's inserts. The read is the only work done without the tier's lock, and it
-may race with a write-back of the same id (an eviction by the training thread), so each job remembers the
-store write epoch before reading and, when writes happened meanwhile, re-reads the ids that were written.
+A job is a survey (group the batch, look its rows up, protect the cached ones) and, for the misses, a fetch
+(store reads, then inserts). When no job is in flight the survey runs on the calling thread, and a batch
+whose rows are all cached is done there: no thread is woken (the handoff, and the GIL going back and forth
+between the threads, cost more than the survey). Fetches run on one job thread, which also runs, in order,
+every job submitted while another is in flight; their store reads run on a small pool of reader threads, one
+task per table, so they overlap the job's inserts. The read is the only work done
+without the tier's lock, and it may race with a write-back of the same id (an eviction by the training
+thread), so each job remembers the store write epoch before reading and, when writes happened meanwhile,
+re-reads the ids that were written.
 
 Matching a forward to its prefetch: by content, never by tensor identity alone. A job keeps its own copy of
 the batch's host ids and offsets (so changing ``indices`` in place after ``prefetch`` changes neither the job
@@ -24,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ssd_tbe_adapter._plan import Plan, TableGroup, group_batch
+from ssd_tbe_adapter._plan import BatchGroups, Plan, group_batch
 from ssd_tbe_adapter._tier import CacheTier
 
 __all__ = ["Prefetcher"]
@@ -43,7 +48,7 @@ class _Pending:
     indices_cpu: torch.Tensor  # the job's own copy of the batch (host int64)
     offsets_cpu: torch.Tensor
     num_bags: list[int]
-    future: Future[dict[int, TableGroup]]
+    future: Future[BatchGroups]
     job: int  # sequence number of the prefetch job
 
     def matches(
@@ -87,6 +92,29 @@ class Prefetcher:
         # Store reads of a prefetch job run here, one task per table, so they overlap the job's inserts (and
         # each other when there are spare cores: the store calls release the GIL).
         self._readers: ThreadPoolExecutor | None = None
+        self._running: Future[BatchGroups] | None = None  # the last job handed to the job thread
+
+    def _survey_here(
+        self, plan: Plan, indices_cpu: torch.Tensor, stream: Any, job: int
+    ) -> Future[BatchGroups]:
+        """A job whose survey runs on the calling thread (no job running): a batch whose rows are all cached
+        is done here, without waking a thread (a thread handoff and the GIL going back and forth cost more
+        than the survey). Its misses go to the job thread (reads on the reader threads, inserts there), which
+        overlaps them with the training thread's work and collective waits."""
+        executor = self._executor
+        assert executor is not None
+        future: Future[BatchGroups] = Future()
+        try:
+            batch, misses = self._survey(plan, indices_cpu, job)
+        except Exception as exc:  # raised at the batch's forward, as a job thread's error is
+            future.set_exception(exc)
+            return future
+        if misses is None:
+            future.set_result(batch)
+            return future
+        future = executor.submit(self._fetch, batch, misses, stream)
+        self._running = future
+        return future
 
     def submit(
         self,
@@ -108,7 +136,11 @@ class Prefetcher:
         plan.offsets = _own_copy(plan.offsets, offsets)
         job = self._jobs
         self._jobs += 1
-        future = self._executor.submit(self._run, plan, indices_cpu, stream, job)
+        if self._running is None or self._running.done():
+            future = self._survey_here(plan, indices_cpu, stream, job)
+        else:  # behind a job still reading: the whole job in turn on the job thread (FIFO)
+            future = self._executor.submit(self._run, plan, indices_cpu, stream, job)
+            self._running = future
         self._pending.append(
             _Pending(
                 indices=indices,
@@ -137,7 +169,7 @@ class Prefetcher:
 
     def take(
         self, indices: torch.Tensor, offsets: torch.Tensor, plan: Plan, indices_cpu: torch.Tensor
-    ) -> dict[int, TableGroup] | None:
+    ) -> BatchGroups | None:
         """The grouping of the pending prefetch of this forward's batch (see the module docstring), waiting
         for it; ``None`` when no pending prefetch is of this batch. Raises what that prefetch raised (once)."""
         tier = self._tier
@@ -157,12 +189,12 @@ class Prefetcher:
             self._retire(self._pending.popleft())
         pending = self._pending.popleft()
         try:
-            groups = pending.future.result()
+            batch = pending.future.result()
         finally:
             with tier.lock:
                 job_tick = tier.job_ticks.pop(pending.job, None)
                 tier.batch_tick = tier.tick + 1 if job_tick is None else job_tick
-        return groups
+        return batch
 
     def _retire(self, pending: _Pending) -> None:
         """Forget a job no forward will use: wait for it (its error does not matter to anyone), then drop the
@@ -174,6 +206,7 @@ class Prefetcher:
     def close(self) -> None:
         """Forget the pending jobs and stop the threads (after the running job)."""
         self._pending.clear()
+        self._running = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -181,10 +214,17 @@ class Prefetcher:
             self._readers.shutdown(wait=True)
             self._readers = None
 
-    def _run(self, plan: Plan, indices_cpu: torch.Tensor, stream: Any, job: int) -> dict[int, TableGroup]:
+    def _run(self, plan: Plan, indices_cpu: torch.Tensor, stream: Any, job: int) -> BatchGroups:
         """One job: group the batch, count its hits, read its misses and insert them (see the module docstring)."""
+        batch, misses = self._survey(plan, indices_cpu, job)
+        return batch if misses is None else self._fetch(batch, misses, stream)
+
+    def _survey(self, plan: Plan, indices_cpu: torch.Tensor, job: int) -> tuple[BatchGroups, _Misses | None]:
+        """A job's first half: group the batch, count its hits, protect its cached rows; its misses, if any
+        (then the tier is marked in flight until :meth:`_fetch` ends)."""
         tier = self._tier
-        groups = group_batch(plan, indices_cpu, self._feature_table_map)
+        batch = group_batch(plan, indices_cpu, self._feature_table_map)
+        groups = batch.tables
         misses: dict[int, torch.Tensor] = {}
         with tier.lock:
             tick = tier.next_tick()
@@ -208,9 +248,17 @@ class Prefetcher:
                     first_slots[table] = slots
                     fills[table] = cache.fills
             if not misses:
-                return groups
-            epoch = tier.epoch
+                return batch, None
             tier.inflight = True
+            return batch, _Misses(
+                ids=misses, first_slots=first_slots, fills=fills, epoch=tier.epoch, tick=tick
+            )
+
+    def _fetch(self, batch: BatchGroups, misses: _Misses, stream: Any) -> BatchGroups:
+        """A job's second half: read the misses :meth:`_survey` found and insert them."""
+        tier = self._tier
+        groups = batch.tables
+        first_slots, fills, epoch, tick = misses.first_slots, misses.fills, misses.epoch, misses.tick
         readers = self._readers
         assert readers is not None
         fetched: dict[int, Future[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -218,11 +266,11 @@ class Prefetcher:
             # The slow part, without the lock: the training thread keeps going meanwhile. The reader threads
             # read table after table while this thread inserts the tables already read, so one table's
             # write-backs overlap the next tables' reads.
-            for table, ids in misses.items():
+            for table, ids in misses.ids.items():
                 fetched[table] = readers.submit(tier.read_rows, table, ids)
             # One table per lock hold, so the training thread's forward/backward can interleave.
             with _maybe_stream(stream):
-                for table, ids in misses.items():
+                for table, ids in misses.ids.items():
                     weights, state = fetched[table].result()  # not under the lock
                     with tier.lock:
                         if tier.cuda and tier.main_event is not None:
@@ -262,7 +310,19 @@ class Prefetcher:
             with tier.lock:
                 tier.inflight = False
                 tier.write_log.clear()
-        return groups
+        return batch
+
+
+@dataclass(slots=True)
+class _Misses:
+    """What a job's survey left for its fetch: per table the uncached ids, the slots of the first look (``-1``
+    where missing), the cache's fill count then; the store write epoch and the job's tick."""
+
+    ids: dict[int, torch.Tensor]
+    first_slots: dict[int, torch.Tensor]
+    fills: dict[int, int]
+    epoch: int
+    tick: int
 
 
 class _NullContext:

@@ -13,13 +13,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from ssd_tbe_adapter._cache import TableCache, copy_rows, select_rows
+from ssd_tbe_adapter._cache import RowSlab, TableCache, copy_rows, select_rows
 from ssd_tbe_adapter._init import init_rows
 from ssd_tbe_adapter._metrics import Metrics, summarize
 from ssd_tbe_adapter._optimizer import RowOptimizer
-from ssd_tbe_adapter._plan import TableGroup
+from ssd_tbe_adapter._plan import BatchGroups, TableGroup
 from ssd_tbe_adapter._records import RecordLayout
 from ssd_tbe_adapter.interfaces import KVStore
 
@@ -55,9 +56,23 @@ class CacheTier:
         self.cuda = device.type == "cuda"
         self.salts = list(salts)
         self.init_range = init_range
+        # Tables of one row width keep their slots in one slab, so a batch's lookups and updates of every
+        # table are one op each (the fused host-cache step, see ``gather_batch``).
+        self.slab = (
+            RowSlab(list(capacities), layout.dims[0], layout.weight_dtype, layout.state_width, device)
+            if len(set(layout.dims)) == 1
+            else None
+        )
         self.caches = [
-            TableCache(capacity, dim, layout.weight_dtype, layout.state_width, device)
-            for capacity, dim in zip(capacities, layout.dims, strict=True)
+            TableCache(
+                capacity,
+                dim,
+                layout.weight_dtype,
+                layout.state_width,
+                device,
+                storage=None if self.slab is None else self.slab.rows(table),
+            )
+            for table, (capacity, dim) in enumerate(zip(capacities, layout.dims, strict=True))
         ]
         self.lock = threading.RLock()
         self.tick = 0
@@ -178,6 +193,68 @@ class CacheTier:
                 )
             self.record_main_event()
         return rows
+
+    def gather_batch(self, batch: BatchGroups, hints: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        """The slab slot (``[U]`` int64 host, in ``batch`` order) of every unique row of the batch when each
+        table's rows are still in the slots its prefetch left them in (``TableGroup.slots``), with the use
+        ticks, counters and ``hints`` that :meth:`gather` per table (in table order) would leave; else
+        ``None`` and nothing changed (the caller gathers per table).
+
+        One call for every table: the forward pools all tables straight from the slab (float32 rows only).
+        """
+        slab = self.slab
+        if slab is None or self.layout.weight_dtype != torch.float32:
+            return None
+        with self.lock:
+            self.wait_insert_event()
+            for table, group in batch.tables.items():
+                if group.slots is None or not self.caches[table].holds(group.slots, group.unique):
+                    return None
+            parts: list[np.ndarray[Any, np.dtype[np.int64]]] = []
+            rows = 0
+            for table, group in batch.tables.items():
+                slots = group.slots
+                assert slots is not None  # checked above
+                self.caches[table].touch(slots, self.next_tick())
+                hints[table] = slots
+                parts.append(slots.numpy() + slab.bases[table])
+                rows += slots.numel()
+            self.metrics.forward_lookups += rows
+            self.metrics.forward_hits += rows
+            self.record_main_event()
+        return torch.from_numpy(np.concatenate(parts) if len(parts) != 1 else parts[0])
+
+    def apply_update_batch(
+        self, batch: BatchGroups, slots: torch.Tensor, grads: torch.Tensor, optimizer: RowOptimizer
+    ) -> None:
+        """:meth:`apply_update` of every table of a batch whose forward took :meth:`gather_batch`'s ``slots``:
+        one optimizer step over the slab when every table's rows are still there (the usual case: rows of the
+        batch being served are not evicted), else table by table.
+
+        Args:
+            batch: the batch's grouping.
+            slots: ``[U]`` int64 host, from :meth:`gather_batch`.
+            grads: ``[U, D]`` float32 row gradients on the device, in ``batch`` order.
+            optimizer: the step.
+        """
+        slab = self.slab
+        assert slab is not None  # gather_batch gave the slots
+        with self.lock:
+            self.wait_insert_event()
+            if all(
+                group.slots is not None and self.caches[table].holds(group.slots, group.unique)
+                for table, group in batch.tables.items()
+            ):
+                if slots.numel():
+                    optimizer.step_in_place(slab, slots.to(self.device, non_blocking=True), grads)
+                    slab.dirty.numpy()[slots.numpy()] = True
+                self.record_main_event()
+                return
+            start = 0
+            for table, group in batch.tables.items():
+                count = group.unique.numel()
+                self.apply_update(table, group.unique, grads[start : start + count], optimizer, group.slots)
+                start += count
 
     def apply_update(
         self,
