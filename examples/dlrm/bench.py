@@ -23,7 +23,9 @@ step ``warmup + steps`` (counted at the dense optimizer's step), samples of thos
 GPU busy: a torch.profiler window over the next ``profile_steps`` steps, the union of kernel / memcpy / memset
 intervals over the window's wall time (the profiler's host cost stretches those steps, so this fraction is low),
 and that GPU time per step over the step time measured without the profiler (``gpu_busy_unprofiled``).
-Implementations run interleaved, ``--reps`` times; medians are reported.
+Implementations run interleaved, ``--reps`` times, the order rotated by one each rep (the first run in a process
+is the slowest: measured on the 2-rank CPU run, a row run first lost up to a third of its samples/s); medians are
+reported.
 
 Under torchrun (``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` set) every rank trains on its own batches (the
 trainer's synthetic stream of that rank), torchrec's planner gets a topology of the world size, and the
@@ -455,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = shared[0]
     try:
         for rep in range(args.reps):
-            for impl in impls:
+            shift = rep % len(impls)
+            for impl in impls[shift:] + impls[:shift]:
                 bench = BenchConfig(
                     device=args.device,
                     batch_size=args.batch_size,
