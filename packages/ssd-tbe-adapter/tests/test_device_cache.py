@@ -793,9 +793,11 @@ def test_one_block_layout_matches_the_host_path(pooling: str, chained: bool) -> 
             grads.append(None if base is None else base.grad)
         torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
         if chained:
-            torch.testing.assert_close(grads[0], grads[1])
-            torch.testing.assert_close(grads[0][:lead], probe[:lead])  # the part no block overwrote
-            assert bool((grads[0][lead:] == 0).all())
+            grad = grads[0]
+            assert grad is not None
+            torch.testing.assert_close(grad, grads[1])
+            torch.testing.assert_close(grad[:lead], probe[:lead])  # the part no block overwrote
+            assert bool((grad[lead:] == 0).all())
     mine, theirs = stored_rows(device_path), stored_rows(host_path)
     assert mine
     assert mine.keys() == theirs.keys()
