@@ -138,6 +138,9 @@ class LookupSource:
     expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+_Issued = tuple[Survey, torch.Tensor | None]  # a survey issued, with its LookupSource's extra output
+
+
 def lookup_bucket(n: int) -> int:
     """The padded size of ``n`` lookups in a survey (see :class:`LookupSource`)."""
     return _bucket(n)
@@ -393,11 +396,11 @@ class DeviceCache:
         n = ids.numel()
         padded = _bucket(n)
 
-        def run(scalars: torch.Tensor, key: tuple[Hashable, ...], fixed: tuple[torch.Tensor, ...]) -> Survey:
+        def run(scalars: torch.Tensor, key: tuple[Hashable, ...], fixed: tuple[torch.Tensor, ...]) -> _Issued:
             inputs = [_pad(tables, padded), _pad(ids, padded), scalars]
             if checks is not None:
                 inputs.append(checks)
-            return self._surveys(key, inputs, fixed=fixed)
+            return self._surveys(key, inputs, fixed=fixed), None
 
         started = self._start(
             n, (), 0 if checks is None else checks.numel(), tick, protect, verify, before_rows, deferred, run
@@ -416,19 +419,16 @@ class DeviceCache:
     ) -> StartedAssign:
         """:meth:`start_assign` of the lookups ``source`` expands inside the survey's graph (its checks read
         with the counts and handed to ``verify``); the result's ``extra`` is ``source``'s extra output."""
-        extra: list[torch.Tensor] = []
 
-        def run(scalars: torch.Tensor, key: tuple[Hashable, ...], fixed: tuple[torch.Tensor, ...]) -> Survey:
+        def run(scalars: torch.Tensor, key: tuple[Hashable, ...], fixed: tuple[torch.Tensor, ...]) -> _Issued:
             survey, out = self._sourced(("from", source.key, *key), [scalars], fixed=(source.expand, *fixed))
-            extra.append(out[: source.n].clone())  # the graph's tensor: rewritten by its next replay
-            return survey
+            return survey, out[: source.n].clone()  # the graph's tensor: rewritten by its next replay
 
         started = self._start(
             source.n, source.values, source.checks, tick, protect, verify, before_rows, deferred, run
         )
         key = None if started.key is None else ("from", source.key, *started.key)
-        fixed = self._graphed(self._sourced, key)
-        return replace(started, key=key, fixed=fixed, extra=extra[0] if extra else None)
+        return replace(started, key=key, fixed=self._graphed(self._sourced, key))
 
     def _graphed(self, calls: GraphedCalls[Any], key: Hashable | None) -> bool:
         """Whether a survey's tensors are the same at every call of its key: a graph's (elsewhere than on CUDA
@@ -445,9 +445,10 @@ class DeviceCache:
         verify: Callable[[list[int]], None] | None,
         before_rows: Callable[[], None] | None,
         deferred: bool,
-        run: Callable[[torch.Tensor, tuple[Hashable, ...], tuple[torch.Tensor, ...]], Survey],
+        run: Callable[[torch.Tensor, tuple[Hashable, ...], tuple[torch.Tensor, ...]], _Issued],
     ) -> StartedAssign:
-        """The survey of ``n`` lookups, issued by ``run(scalars, key, fixed)`` (see :meth:`start_assign`)."""
+        """The survey of ``n`` lookups, issued by ``run(scalars, key, fixed)``, which returns it and its source's
+        extra output, if any (see :meth:`start_assign`)."""
         self.metrics.assigns += 1
         if n == 0:
             return StartedAssign(
@@ -475,7 +476,7 @@ class DeviceCache:
         scalars.numpy()[0] = (protect, n - padded, *values)
         key = (padded, columns, host_read.shape[1], self._generation)
         moved = self._staging.copy_up(f"scalars{len(values)}", scalars, self.device)
-        survey = run(moved, key, (host_missing, host_read))
+        survey, extra = run(moved, key, (host_missing, host_read))
         done = None
         if deferred and self.device.type == "cuda":
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
@@ -492,6 +493,7 @@ class DeviceCache:
             before_rows=before_rows,
             checks=None,
             done=done,
+            extra=extra,
         )
 
     def finish_assign(self, started: StartedAssign) -> Assignment:

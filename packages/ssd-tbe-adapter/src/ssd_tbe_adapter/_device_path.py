@@ -597,7 +597,10 @@ class DevicePath:
             self._lookup_buffers[size] = buffers
         buffers.ids[:lookups].copy_(indices)
         buffers.offsets[: bags + 1].copy_(offsets)
-        buffers.tables[:bags].copy_(self._table_of_bags(plan))
+        layout = tuple(plan.num_bags)
+        if buffers.layout != layout:  # the bags' tables change with the layout only
+            buffers.tables[:bags].copy_(self._table_of_bags(plan))
+            buffers.layout = layout
         return LookupSource(
             n=lookups,
             key=(*size, self._buffers_generation),
@@ -747,14 +750,16 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class _LookupBuffers:
     """One padded size's prefetch inputs on the device (int64): ``ids`` ``[P]``, ``offsets`` ``[Q + 1]`` and the
-    table of each bag ``[Q]``; a batch fills their first ``n``, ``bags + 1`` and ``bags`` entries."""
+    table of each bag ``[Q]``; a batch fills their first ``n``, ``bags + 1`` and ``bags`` entries (``tables``
+    only when its layout, the bags per feature, is not the one they hold)."""
 
     ids: torch.Tensor
     offsets: torch.Tensor
     tables: torch.Tensor
+    layout: tuple[int, ...] | None = None
 
 
 _NO_END = (1 << 63) - 1  # the end of a padding bag: past every lookup
