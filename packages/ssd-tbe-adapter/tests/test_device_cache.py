@@ -839,7 +839,7 @@ def test_unique_pairs_padded_match_torch_unique(seed: int) -> None:
     n = int(torch.randint(1, 40, (1,), generator=gen))
     tables = torch.randint(0, 3, (n,), generator=gen)
     ids = ID_POOL[torch.randint(0, ID_POOL.numel(), (n,), generator=gen)]
-    u_tables, u_ids, counts, inverse, unique = _unique_pairs(tables, ids)
+    u_tables, u_ids, counts, inverse, unique, order, starts = _unique_pairs(tables, ids)
     pairs, want_inverse, want_counts = torch.unique(
         torch.stack([tables, ids], 1), dim=0, return_inverse=True, return_counts=True
     )
@@ -849,6 +849,11 @@ def test_unique_pairs_padded_match_torch_unique(seed: int) -> None:
     assert torch.equal(counts[:u], want_counts)
     assert int(counts[u:].sum()) == 0
     assert torch.equal(inverse, want_inverse)
+    # The lookups sorted by pair: each pair's segment holds exactly its lookups.
+    assert int(starts[u]) == n
+    for k in range(u):
+        segment = order[int(starts[k]) : int(starts[k + 1])]
+        assert torch.equal(inverse.index_select(0, segment), torch.full_like(segment, k))
 
 
 def test_device_cache_counts_every_lookup_of_a_hit() -> None:
@@ -1527,6 +1532,88 @@ def test_cuda_find_kernel_gives_the_torch_lookup(slots: int) -> None:
         ids.cuda(),
     )
     assert torch.equal(got.cpu(), want)
+
+
+def fused_update_case(device: str, optimizer: str, psw: bool, fp16: bool, seed: int) -> None:
+    """The fused backward kernel on ``device`` against the torch backward (gather of the bag gradients,
+    ``index_add_`` into the unique rows, :meth:`DeviceCache.update`) on the CPU: a padded batch with repeats
+    and hot rows, rows of several dims, the trash slot among the unique slots."""
+    from ssd_tbe_adapter._update_kernel import fused_update
+
+    gen = torch.Generator().manual_seed(seed)
+    dims, dmax, slots = [8, 5, 8], 8, 64
+    n = int(torch.randint(1, 300, (1,), generator=gen))
+    padded = n + int(torch.randint(0, 40, (1,), generator=gen))
+    tables = torch.randint(0, 3, (n,), generator=gen)
+    ids = torch.where(torch.rand(n, generator=gen) < 0.5, 7, torch.randint(0, 20, (n,), generator=gen))
+    pad_tables = torch.cat([tables, tables[:1].expand(padded - n)])
+    pad_ids = torch.cat([ids, ids[:1].expand(padded - n)])
+    _, _, _, inverse, unique, order, starts = _unique_pairs(pad_tables, pad_ids)
+    u = int(unique)
+    unique_slots = torch.randperm(slots, generator=gen)[:u]
+    unique_slots[u // 2] = slots if u > 1 else unique_slots[u // 2]  # the trash slot: skipped
+    pair_tables = torch.zeros(u, dtype=torch.int64).index_copy_(0, inverse[:n], tables)
+    slot_tables = torch.zeros(slots + 1, dtype=torch.int64).index_copy_(0, unique_slots, pair_tables)
+    bags = max(n // 3, 1)
+    bag_of_lookup = torch.sort(torch.randint(0, bags, (n,), generator=gen)).values
+    grad_bags = torch.randn(bags, dmax, generator=gen)
+    weights = torch.randn(slots + 1, dmax, generator=gen)
+    if fp16:
+        weights = weights.half().float()
+    state = torch.rand(slots + 1, generator=gen)
+    weights_psw = torch.rand(n, generator=gen) if psw else None
+    opt = RowOptimizer(kind=optimizer, learning_rate=0.05, eps=1e-8)  # type: ignore[arg-type]
+    dims_t = torch.tensor(dims, dtype=torch.float32)
+    # The torch backward on the CPU.
+    lower = HostTier(16, dims, _NullTier(), pin=False)
+    ref = DeviceCache([32, 16, 16], dims, torch.device("cpu"), lower, round_fp16=fp16)
+    ref.weights.copy_(weights)
+    ref.state.copy_(state)
+    ref.slot_tables.copy_(slot_tables)
+    grad_lookups = grad_bags.index_select(0, bag_of_lookup)
+    if weights_psw is not None:
+        grad_lookups = grad_lookups * weights_psw[:, None]
+    grad_rows = torch.zeros(u, dmax).index_add_(0, inverse[:n], grad_lookups)
+    grad_rows[unique_slots == slots] = 0.0  # the trash row is left as it was
+    ref.update(unique_slots, grad_rows, opt)
+    # The fused kernel.
+    on = torch.device(device)
+    got_w, got_s = weights.to(on), state.to(on)
+    got_d = torch.zeros(slots + 1, dtype=torch.bool, device=on)
+    fused_update(
+        grad_bags.to(on),
+        bag_of_lookup.to(on),
+        None if weights_psw is None else weights_psw.to(on),
+        order.to(on),
+        starts[: u + 1].to(on),
+        unique_slots.to(on),
+        slot_tables.to(on),
+        dims_t.to(on),
+        got_w,
+        got_s,
+        got_d,
+        lookups=n,
+        trash=slots,
+        learning_rate=opt.learning_rate,
+        eps=opt.eps,
+        adagrad=optimizer != "sgd",
+        round_fp16=fp16,
+    )
+    torch.testing.assert_close(got_w.cpu(), ref.weights, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_s.cpu(), ref.state, atol=1e-5, rtol=1e-5)
+    want_dirty = torch.zeros(slots + 1, dtype=torch.bool).index_fill_(0, unique_slots, True)
+    want_dirty[slots] = False
+    assert torch.equal(got_d.cpu(), want_dirty)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("psw", [False, True], ids=["plain", "weighted"])
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_cuda_fused_update_matches_the_torch_backward(optimizer: str, psw: bool, fp16: bool) -> None:
+    """The one-launch backward (sum over each row's lookups, optimizer, dirty flag) gives the torch one."""
+    for seed in range(6):
+        fused_update_case("cuda", optimizer, psw, fp16, seed)
 
 
 @pytest.mark.gpu

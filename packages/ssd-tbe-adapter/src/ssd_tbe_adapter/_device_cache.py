@@ -47,7 +47,7 @@ from ssd_tbe_adapter._dram_tier import DramTier
 from ssd_tbe_adapter._graphed import GraphedCalls
 from ssd_tbe_adapter._host_tier import RowTier, TierRows
 from ssd_tbe_adapter._optimizer import RowOptimizer
-from ssd_tbe_adapter._row_moves import StagingBuffers
+from ssd_tbe_adapter._row_moves import StagingBuffers, moves_on_device
 from ssd_tbe_adapter._slot_index import SlotIndex
 from ssd_tbe_adapter.errors import InvalidArgumentError
 
@@ -73,6 +73,8 @@ class Assignment:
     slots: torch.Tensor  # [N] int64: the slot of each lookup
     unique_slots: torch.Tensor  # [U] int64 distinct: the batch's rows, in (table, id) order
     inverse: torch.Tensor  # [N] int64: position of each lookup's slot in unique_slots
+    order: torch.Tensor  # [P] int64: the lookups (padded to P >= N; entries >= N are padding) by unique slot
+    starts: torch.Tensor  # [U + 1] int64: unique slot u's lookups are order[starts[u]:starts[u + 1]]
     inserted: int  # rows moved in from the tier below for this batch
 
 
@@ -86,6 +88,8 @@ class Survey:
     ids: torch.Tensor  # unique pairs' ids
     counts: torch.Tensor  # lookups per pair (the padding's repeats not counted)
     inverse: torch.Tensor  # position of each lookup's pair
+    order: torch.Tensor  # the lookups sorted by pair (the padding's among its first lookup's)
+    starts: torch.Tensor  # [N + 1]: pair k's lookups are order[starts[k]:starts[k + 1]]
     slots: torch.Tensor  # each pair's slot here, -1 if not cached
     touched: torch.Tensor  # each hit's slot, the trash slot elsewhere
     in_region: torch.Tensor  # the misses that get a slot in their table's region
@@ -177,16 +181,17 @@ class DeviceCacheMetrics:
 
 def _unique_pairs(
     tables: torch.Tensor, ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The unique ``(table, id)`` pairs of ``N > 0`` lookups, sorted by table then id, *padded to N* (no sync).
 
     Two stable sorts (the second on int16 table numbers: fewer than 2**15 tables) and an adjacent compare
     (``torch.unique(dim=0)`` is several times slower).
 
     Returns:
-        ``(tables, ids, counts, inverse, unique)``: ``[N]`` pairs (positions ``>= unique`` repeat the last
-        pair), ``[N]`` lookups per pair (0 past ``unique``), ``[N]`` position of each lookup's pair, and the
-        number of unique pairs as a 0-dim device tensor.
+        ``(tables, ids, counts, inverse, unique, order, starts)``: ``[N]`` pairs (positions ``>= unique``
+        repeat the last pair), ``[N]`` lookups per pair (0 past ``unique``), ``[N]`` position of each lookup's
+        pair, the number of unique pairs as a 0-dim device tensor, the lookups sorted by pair (``[N]``: pair
+        ``k``'s are ``order[starts[k]:starts[k + 1]]``) and ``[N + 1]`` those starts (``N`` past the last pair).
     """
     n = ids.numel()
     order = torch.argsort(ids, stable=True)
@@ -211,6 +216,8 @@ def _unique_pairs(
         counts,
         inverse,
         rank[-1] + 1,
+        order,
+        starts[: n + 1],
     )
 
 
@@ -506,7 +513,10 @@ class DeviceCache:
                 # host sync: only for an empty batch with checks
                 verify([int(c) for c in started.checks.tolist()])
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-            return Assignment(slots=empty, unique_slots=empty, inverse=empty, inserted=0)
+            starts = torch.zeros(1, dtype=torch.int64, device=self.device)
+            return Assignment(
+                slots=empty, unique_slots=empty, inverse=empty, order=empty, starts=starts, inserted=0
+            )
         survey, key = started.survey, started.key
         host_missing, host_read = started.host_missing, started.host_read
         assert survey is not None
@@ -577,6 +587,8 @@ class DeviceCache:
             slots=unique_slots.index_select(0, inverse),
             unique_slots=unique_slots,
             inverse=inverse.clone(),
+            order=survey.order.clone(),
+            starts=survey.starts[: u + 1].clone(),
             inserted=m,
         )
 
@@ -608,7 +620,7 @@ class DeviceCache:
         *checks, host_missing, host_read = rest
         n = ids.numel()
         device = self.device
-        u_tables, u_ids, counts, inverse, unique = _unique_pairs(tables, ids)
+        u_tables, u_ids, counts, inverse, unique, order, starts = _unique_pairs(tables, ids)
         counts.index_add_(0, inverse[:1], scalars[0, 1:2])  # the padding's repeats of the first lookup
         protect = scalars[0, 0]
         real = torch.arange(n, device=device) < unique  # padding past the unique pairs
@@ -647,6 +659,8 @@ class DeviceCache:
             ids=u_ids,
             counts=counts,
             inverse=inverse,
+            order=order,
+            starts=starts,
             slots=slots,
             touched=touched,
             in_region=in_region,
@@ -1025,6 +1039,48 @@ class DeviceCache:
             self.weights.index_copy_(0, slots, rounded)
         self.dirty.index_put_((slots,), torch.ones((), dtype=torch.bool, device=self.device))
         self.dirty[self.trash :].zero_()  # `slots` may be padded with the trash slot: it stays clean
+
+    @property
+    def fuses_updates(self) -> bool:
+        """Whether :meth:`update_from_bags` runs here (CUDA with Triton)."""
+        return self.device.type == "cuda" and moves_on_device(self.device)
+
+    def update_from_bags(
+        self,
+        slots: torch.Tensor,
+        order: torch.Tensor,
+        starts: torch.Tensor,
+        grad_bags: torch.Tensor,
+        bag_of_lookup: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        optimizer: RowOptimizer,
+    ) -> None:
+        """:meth:`update` with each row's gradient summed from its lookups' bag gradients in the same kernel
+        (one launch; see :mod:`~ssd_tbe_adapter._update_kernel`): ``slots`` (``[U]``, the trash slot skipped)
+        as an :class:`Assignment`'s ``unique_slots`` with its ``order`` and ``starts``; ``grad_bags``
+        ``[bags, D_max]``; ``bag_of_lookup`` and ``per_sample_weights`` per lookup. Only where
+        :attr:`fuses_updates`. No sync."""
+        from ssd_tbe_adapter._update_kernel import fused_update
+
+        fused_update(
+            grad_bags.contiguous(),
+            bag_of_lookup,
+            per_sample_weights,
+            order,
+            starts,
+            slots,
+            self.slot_tables,
+            self.dims_device,
+            self.weights,
+            self.state,
+            self.dirty,
+            lookups=bag_of_lookup.numel(),
+            trash=self.trash,
+            learning_rate=optimizer.learning_rate,
+            eps=optimizer.eps,
+            adagrad=optimizer.kind != "sgd",
+            round_fp16=self.round_fp16,
+        )
 
     def rows_to_host(self, slots: torch.Tensor) -> TierRows:
         """The rows in ``slots`` (``[K]`` device int64) copied to the host."""

@@ -70,6 +70,8 @@ class _Batch:
     slots: torch.Tensor  # [N] int64: cache slot of each lookup
     unique_slots: torch.Tensor  # [U] int64 distinct: the batch's rows
     inverse: torch.Tensor  # [N] int64: position of each lookup's slot in unique_slots
+    order: torch.Tensor  # [P] int64: the lookups by unique slot (P >= N; entries >= N are padding)
+    starts: torch.Tensor  # [U + 1] int64: unique slot u's lookups are order[starts[u]:starts[u + 1]]
     bag_of_lookup: torch.Tensor  # [N] int64
     tick: int
     version: int  # indices._version at prefetch: an in-place change of the ids voids the prefetch
@@ -354,8 +356,8 @@ class DevicePath:
             # `empty`, not `zeros`: under a capture a fill would be recorded, and every replay would wipe the
             # slots staged for it. Staging writes them before any replay (or static-mode forward) reads them.
             # Only the slot tensors are buffers: the ids, offsets and bags are the captured forward's own.
-            def buffer() -> torch.Tensor:
-                return torch.empty(lookups, dtype=torch.int64, device=self._device)
+            def buffer(size: int = lookups) -> torch.Tensor:
+                return torch.empty(size, dtype=torch.int64, device=self._device)
 
             unused = torch.empty(0, dtype=torch.int64, device=self._device)
             static = _Batch(
@@ -364,6 +366,8 @@ class DevicePath:
                 slots=buffer(),
                 unique_slots=buffer(),
                 inverse=buffer(),
+                order=buffer(lookup_bucket(lookups)),
+                starts=buffer(lookups + 1),
                 bag_of_lookup=unused,
                 tick=0,
                 version=0,
@@ -401,9 +405,12 @@ class DevicePath:
         static.inverse.copy_(batch.inverse)
         static.unique_slots[:unique].copy_(batch.unique_slots)
         static.unique_slots[unique:].fill_(self.cache.trash)
+        static.order.copy_(batch.order)
+        static.starts[: unique + 1].copy_(batch.starts)
+        static.starts[unique + 1 :].fill_(static.order.numel())  # the padding's rows: no lookups
         if self._cuda:
             stream = torch.cuda.current_stream(self._device)
-            for tensor in (batch.slots, batch.unique_slots, batch.inverse):
+            for tensor in (batch.slots, batch.unique_slots, batch.inverse, batch.order, batch.starts):
                 tensor.record_stream(stream)
         self._staged.append(batch)
 
@@ -625,6 +632,8 @@ class DevicePath:
             slots=assignment.slots,
             unique_slots=assignment.unique_slots,
             inverse=assignment.inverse,
+            order=assignment.order,
+            starts=assignment.starts,
             bag_of_lookup=started.bag_of_lookup,
             tick=tick,
             version=started.version,
@@ -649,8 +658,9 @@ class DevicePath:
         """Step 3, forward: the output (module layout) and, if ``keep_rows``, the looked-up rows ``[N, D_max]``."""
         if self._cuda and not self.in_capture():
             stream = torch.cuda.current_stream(self._device)
-            for tensor in (batch.slots, batch.unique_slots, batch.inverse, batch.bag_of_lookup):
+            for tensor in (batch.slots, batch.unique_slots, batch.inverse, batch.bag_of_lookup, batch.order):
                 tensor.record_stream(stream)
+            batch.starts.record_stream(stream)
         weights = self.cache.weights
         offsets = batch.offsets.to(torch.int64)
         psw = None if per_sample_weights is None else per_sample_weights.detach()
@@ -705,6 +715,15 @@ class DevicePath:
                 column += dim
         if pooling == "mean":  # not in place: grad_bags may be a view of grad_output
             grad_bags = grad_bags / (offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)[:, None]
+        if rows is None and self.cache.fuses_updates:  # one kernel: no per-lookup gradients, no atomics
+            psw = None if per_sample_weights is None else per_sample_weights.detach().to(torch.float32)
+            self.cache.update_from_bags(
+                batch.unique_slots, batch.order, batch.starts, grad_bags, batch.bag_of_lookup, psw, optimizer
+            )
+            if not capturing:
+                self.release(batch)
+                self._record_main()
+            return None
         grad_lookups = grad_bags.index_select(0, batch.bag_of_lookup)
         grad_psw = None
         if rows is not None:
