@@ -508,7 +508,7 @@ def test_steady_moves_from_the_dram_tier_match_the_reference() -> None:
     """With the DRAM tier holding every row, most assignments move their misses in without host work (padded
     to a bucket size, one graph replay on CUDA), and the results stay the reference's."""
     module = check_against_both(
-        "cpu", {"cache_rows": 2, "host_cache_rows": 64}, ahead=0, layout="vbe", steps=16
+        "cpu", {"cache_rows": 4, "host_cache_rows": 64}, ahead=0, layout="vbe", steps=16
     )
     metrics = module.metrics()
     assert metrics["hbm_steady_assigns"] >= 4, metrics["hbm_steady_assigns"]
@@ -1604,6 +1604,65 @@ def fused_update_case(device: str, optimizer: str, psw: bool, fp16: bool, seed: 
     want_dirty = torch.zeros(slots + 1, dtype=torch.bool).index_fill_(0, unique_slots, True)
     want_dirty[slots] = False
     assert torch.equal(got_d.cpu(), want_dirty)
+
+
+def victims_case(device: str, seed: int) -> None:
+    """``choose_victims`` on ``device`` against its torch version on the CPU over random slot states (free,
+    protected, held, every table size including 0 and 1, more misses than slots), both advancing the hands
+    alike; and what any choice must be: distinct slots of the miss's own table, never protected or held."""
+    from ssd_tbe_adapter._victims import VictimTables, choose_victims
+
+    gen = torch.Generator().manual_seed(seed)
+    capacities = [int(c) for c in torch.randint(0, 40, (5,), generator=gen)] + [1, 0]
+    slots = sum(capacities) + 3  # a small scratch pool after the regions
+    n = int(torch.randint(1, 120, (1,), generator=gen))
+    tables = torch.sort(torch.randint(0, len(capacities), (n,), generator=gen)).values
+    miss = torch.rand(n, generator=gen) < 0.6
+    stamp = torch.randint(0, 10, (slots + 1,), generator=gen)
+    uses = torch.randint(0, 4, (slots + 1,), generator=gen)
+    valid = torch.rand(slots + 1, generator=gen) < 0.8
+    valid[slots] = False
+    held = torch.rand(slots + 1, generator=gen) < 0.1
+    protect = torch.tensor(7)
+    on = torch.device(device)
+    mine, theirs = VictimTables(capacities, on), VictimTables(capacities, torch.device("cpu"))
+    for _ in range(3):
+        got = choose_victims(
+            mine,
+            tables.to(on),
+            miss.to(on),
+            protect.to(on),
+            stamp.to(on),
+            uses.to(on),
+            valid.to(on),
+            held.to(on),
+            slots,
+        ).cpu()
+        want = choose_victims(theirs, tables, miss, protect, stamp, uses, valid, held, slots)
+        assert torch.equal(got, want)
+        assert torch.equal(mine.hands.cpu(), theirs.hands)
+        picked = want[want >= 0]
+        assert torch.unique(picked).numel() == picked.numel()
+        assert bool((miss | (want < 0)).all())
+        bases = theirs.bases.index_select(0, tables)
+        ends = bases + theirs.capacities.index_select(0, tables)
+        assert bool(((want < 0) | ((want >= bases) & (want < ends))).all())
+        assert bool((stamp[picked] < protect).all())
+        assert not bool(held[picked].any())
+
+
+@pytest.mark.parametrize("seed", range(6), ids=[f"seed{i}" for i in range(6)])
+def test_victim_choice_takes_the_best_unprotected_slot_of_each_group(seed: int) -> None:
+    """The sampled victim choice (torch version): distinct slots in the miss's own region, never protected or
+    held, the hands moved alike on every call."""
+    victims_case("cpu", seed)
+
+
+@pytest.mark.gpu
+def test_cuda_victim_kernel_gives_the_torch_choice() -> None:
+    """The one-launch Triton victim choice gives the torch version's slots and hands."""
+    for seed in range(8):
+        victims_case("cuda", seed)
 
 
 @pytest.mark.gpu

@@ -10,7 +10,9 @@ fp16 tables hold fp16-rounded values), its row-wise optimizer state, its ``(tabl
 the tick of its last use (the step stamp: protection of the batches in flight, recency) and a use count.
 Victims: aged LFU as the host cache (fewest uses, least recently used among equals; counts halved every 8
 turnovers of the slots), which keeps Zipf-hot rows where plain LRU lets each batch's one-off rows push them
-out.
+out; sampled: each miss picks the best of a group of up to 16 of its table's slots, the groups disjoint and
+walking the table's slots as a ring (:mod:`~ssd_tbe_adapter._victims`), so the choice costs per miss, not
+per slot.
 
 Index: the valid slots sorted by a 64-bit hash of ``(table, id)`` (invalid slots sort last); a lookup is one
 ``searchsorted`` plus a check of the slot's stored ``(table, id)``, so a hash collision could only make a
@@ -49,6 +51,7 @@ from ssd_tbe_adapter._host_tier import RowTier, TierRows
 from ssd_tbe_adapter._optimizer import RowOptimizer
 from ssd_tbe_adapter._row_moves import StagingBuffers, moves_on_device
 from ssd_tbe_adapter._slot_index import SlotIndex
+from ssd_tbe_adapter._victims import MAX_USES, NEVER, TICK_BITS, VictimTables, choose_victims
 from ssd_tbe_adapter.errors import InvalidArgumentError
 
 __all__ = [
@@ -60,10 +63,7 @@ __all__ = [
     "lookup_bucket",
 ]
 
-_TICK_BITS = 40  # last-use ticks stay far below 2**40
-_MAX_USES = (1 << 20) - 1
 _MAX_TABLES = 1 << 15  # table numbers sort as int16 keys
-_NEVER = 1 << 62  # priority of a protected slot (never a victim): above every (uses, tick) key
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -92,8 +92,7 @@ class Survey:
     starts: torch.Tensor  # [N + 1]: pair k's lookups are order[starts[k]:starts[k + 1]]
     slots: torch.Tensor  # each pair's slot here, -1 if not cached
     touched: torch.Tensor  # each hit's slot, the trash slot elsewhere
-    in_region: torch.Tensor  # the misses that get a slot in their table's region
-    region_position: torch.Tensor  # where in the region's slots (ordered by table, then priority)
+    chosen: torch.Tensor  # the region slot each miss takes (-1: none, see _victims)
     overflowing: torch.Tensor  # the misses left for the scratch pool
     at: torch.Tensor  # [N + 1]: positions of the misses among the pairs, ascending, zeros after them
     below: torch.Tensor | None  # each miss's slot in the DRAM tier (-1: absent), None without one
@@ -269,9 +268,7 @@ class DeviceCache:
             )
         self.region_size = sum(self.capacities)  # C: slots owned by tables; the scratch pool follows
         self.bases = [sum(self.capacities[:t]) for t in range(self.num_tables)]
-        self.region_of_slot = torch.repeat_interleave(
-            torch.arange(self.num_tables, dtype=torch.int64), torch.tensor(self.capacities, dtype=torch.int64)
-        ).to(device)
+        self._rings = VictimTables(self.capacities, device)
         self.dims_device = torch.tensor(self.dims, dtype=torch.float32, device=device)
         self.bases_device = torch.tensor(self.bases, dtype=torch.int64, device=device)
         self.region_ends = self.bases_device + torch.tensor(self.capacities, dtype=torch.int64, device=device)
@@ -359,8 +356,9 @@ class DeviceCache:
     ) -> Assignment:
         """Slots for every lookup ``(tables[i], ids[i])`` (``[N]`` int64, device): hits are touched at ``tick``,
         unique misses are read from the tier below into free or evicted slots (victims: the least used, then
-        least recently used, slots last touched before ``protect``; the table's own slots first, then the
-        scratch pool, grown if needed); evicted rows go down.
+        least recently used, of slots last touched before ``protect``, among a sampled group of the table's own
+        slots per miss, see :mod:`~ssd_tbe_adapter._victims`; else the scratch pool, grown if needed); evicted
+        rows go down.
 
         ``checks`` (``[K]`` int64 on the device, e.g. the caller's input checks) is read in the same copy as the
         counts and handed to ``verify`` before anything changes here: ``verify`` may raise (bad input), and then
@@ -544,10 +542,10 @@ class DeviceCache:
             if dram is not None and self._steady(started.fixed, dram, m, overflow, found, dram_free):
                 if before_rows is not None:
                     before_rows()  # victims' rows and dirty flags below; writes into the slots after
-                slots = self._steady_moves(key, survey, m, tick, protect)
+                slots = self._steady_moves(key, survey, m, tick)
                 self.metrics.steady_assigns += 1
             else:
-                chosen = self._chosen(protect, survey.in_region, survey.region_position)
+                chosen = survey.chosen
                 if overflow:
                     chosen = self._overflow(chosen, survey.overflowing, overflow, free, protect, before_rows)
                 at = survey.at[:m]
@@ -631,7 +629,11 @@ class DeviceCache:
         # are protected from the victim choice by a mask, and stamped and counted only after the read.
         touched = torch.where(hit & real, slots, self.trash)  # unique slots; the trash slot takes the rest
         held = torch.zeros_like(self.valid).index_fill_(0, touched, True)
-        in_region, region_position, overflowing, scratch_free = self._choice(u_tables, miss, protect, held)
+        chosen = choose_victims(
+            self._rings, u_tables, miss, protect, self.stamp, self.uses, self.valid, held, self.trash
+        )
+        overflowing = miss & (chosen < 0)
+        scratch_free = self._scratch_choosable(protect, held)
         # Positions of the misses among the pairs (ascending) at the front of `at` (zeros after them), and
         # their keys copied to the host ahead of the counts' read (which waits for it: same stream), so the
         # tiers below can be asked before anything waits for the forward/backward stream.
@@ -663,8 +665,7 @@ class DeviceCache:
             starts=starts,
             slots=slots,
             touched=touched,
-            in_region=in_region,
-            region_position=region_position,
+            chosen=chosen,
             overflowing=overflowing,
             at=at,
             below=below,
@@ -672,64 +673,19 @@ class DeviceCache:
 
     def _priorities(self, start: int, stop: int, protect: int | torch.Tensor) -> torch.Tensor:
         """Victim priority of slots ``[start, stop)`` (lowest first): -1 free, else (uses, last-use tick) as one
-        int64, ``_NEVER`` if protected (used at or after ``protect``)."""
+        int64, ``NEVER`` if protected (used at or after ``protect``)."""
         stamp = self.stamp[start:stop]
-        key = (self.uses[start:stop].clamp(max=_MAX_USES) << _TICK_BITS) + stamp
+        key = (self.uses[start:stop].clamp(max=MAX_USES) << TICK_BITS) + stamp
         protected = stamp >= protect
         return torch.where(
-            protected, _NEVER, torch.where(self.valid[start:stop], key, torch.full_like(stamp, -1))
+            protected, NEVER, torch.where(self.valid[start:stop], key, torch.full_like(stamp, -1))
         )
 
-    def _choice(
-        self, tables: torch.Tensor, miss: torch.Tensor, protect: torch.Tensor, held: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """How many of the missing pairs (``miss``; ``tables`` ascending) get slots in their tables' own
-        regions, without ordering any slot or computing their priorities (one pass over the slots' stamps:
-        cheap when nothing misses), no sync; slots marked in ``held`` (the batch's hits, not stamped yet)
-        are protected too. The victims themselves are picked by :meth:`_chosen`, after the hits were
-        stamped (so they are protected by their stamps then).
-
-        Returns:
-            ``in_region`` (the misses that get a region slot), their ``region_position`` (in the region's
-            slots ordered by table then priority), the misses left for the scratch pool, and the number of
-            scratch slots that are not protected (0-dim).
-        """
-        n = tables.numel()
-        device = self.device
-        # Misses per table from the running miss count at each table's first pair (pairs sorted by table).
-        before = torch.zeros(n + 1, dtype=torch.int64, device=device)
-        before[1:] = torch.cumsum(miss, 0)
-        first_of_table = torch.searchsorted(tables, torch.arange(self.num_tables + 1, device=device))
-        misses_before = before.index_select(0, first_of_table)
-        misses_per_table = misses_before[1:] - misses_before[:-1]
+    def _scratch_choosable(self, protect: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """Scratch slots that are not protected (free, or a victim candidate; ``held``: the batch's hits),
+        0-dim. No sync."""
         region, slots = self.region_size, self.slots
-        # Choosable (not protected: free, or a victim candidate) slots per table and in the scratch pool, by
-        # differences of one running count over the (contiguous) regions: an index_add_ into one counter per
-        # table serialises its atomics (1.3M slots in the DLRM trainer).
-        choosable_slot = (self.stamp[:slots] < protect) & ~held[:slots]
-        running = torch.zeros(slots + 1, dtype=torch.int64, device=device)
-        running[1:] = torch.cumsum(choosable_slot, 0)
-        choosable = running.index_select(0, self.region_ends) - running.index_select(0, self.bases_device)
-        take = torch.minimum(misses_per_table, choosable)
-        rank = before[:-1] - misses_before.index_select(0, tables)  # of each miss within its table
-        in_region = miss & (rank < take.index_select(0, tables))
-        region_position = (self.bases_device.index_select(0, tables) + rank).clamp_(0, max(region - 1, 0))
-        scratch_free = running[slots] - running[region]
-        return in_region, region_position, miss & ~in_region, scratch_free
-
-    def _chosen(
-        self, protect: int | torch.Tensor, in_region: torch.Tensor, region_position: torch.Tensor
-    ) -> torch.Tensor:
-        """The region slot of each miss the survey placed there (``[N]``, -1 elsewhere; see :meth:`_choice`):
-        the region's slots in priority order (lowest first), table by table. No sync. Called after the
-        batch's hits were stamped: their stamps protect them (as the survey's ``held`` did)."""
-        if not self.region_size:
-            return torch.full_like(in_region, -1, dtype=torch.int64)
-        order = torch.argsort(
-            self._priorities(0, self.region_size, protect), stable=True
-        )  # then region by region, keeping that order
-        order = order.index_select(0, torch.argsort(self.region_of_slot.index_select(0, order), stable=True))
-        return torch.where(in_region, order.index_select(0, region_position), -1)
+        return ((self.stamp[region:slots] < protect) & ~held[region:slots]).sum()
 
     def _steady(self, fixed: bool, dram: DramTier, m: int, overflow: int, found: int, free: int) -> bool:
         """Whether an assignment's ``m`` misses need nothing of the host: every one in the DRAM tier, room there
@@ -738,21 +694,18 @@ class DeviceCache:
         room = min(m, dram.capacity) - free - found <= 0
         return not overflow and found == m and m <= dram.capacity and room and fixed
 
-    def _steady_moves(
-        self, key: tuple[Hashable, ...], survey: Survey, m: int, tick: int, protect: int
-    ) -> torch.Tensor:
+    def _steady_moves(self, key: tuple[Hashable, ...], survey: Survey, m: int, tick: int) -> torch.Tensor:
         """The ``m`` misses of a steady assignment (see :meth:`_steady`) moved in from the DRAM tier as one
         CUDA graph replay per (survey, padded ``m``) (the first call eager): the survey's slots with them."""
         padded = _bucket(m)
-        scalars = self._staging.get("move_scalars", 1, 3, torch.int64)
-        scalars.numpy()[0] = (m, tick, protect)
+        scalars = self._staging.get("move_scalars", 1, 2, torch.int64)
+        scalars.numpy()[0] = (m, tick)
         fixed = (
             survey.tables,
             survey.ids,
             survey.at,
             survey.below,
-            survey.in_region,
-            survey.region_position,
+            survey.chosen,
             survey.slots,
         )
         moving = self._staging.copy_up("move_scalars", scalars, self.device)
@@ -766,19 +719,17 @@ class DeviceCache:
         ids: torch.Tensor,
         at: torch.Tensor,
         below: torch.Tensor | None,
-        in_region: torch.Tensor,
-        region_position: torch.Tensor,
+        chosen: torch.Tensor,
         slots: torch.Tensor,
     ) -> torch.Tensor:
         """:meth:`_steady_moves`'s work over the misses padded to ``padded`` (the padding moves nothing: its
-        slot is the trash slot, its DRAM slot -1). ``scalars``: ``[1, 3]`` int64, the misses, the tick and
-        the protection bound. Device work only: capturable."""
+        slot is the trash slot, its DRAM slot -1) into the slots the survey chose. ``scalars``: ``[1, 2]`` int64,
+        the misses and the tick. Device work only: capturable."""
         dram = self.lower
         assert isinstance(dram, DramTier)
         assert below is not None
         n = slots.numel()
-        count, tick, protect = scalars[0, 0], scalars[0, 1], scalars[0, 2]
-        chosen = self._chosen(protect, in_region, region_position)
+        count, tick = scalars[0, 0], scalars[0, 1]
         at = at[:padded]
         live = torch.arange(padded, device=self.device) < count
         new_slots = torch.where(live, chosen.index_select(0, at), self.trash)
