@@ -1649,6 +1649,13 @@ def victims_case(device: str, seed: int) -> None:
         assert bool(((want < 0) | ((want >= bases) & (want < ends))).all())
         assert bool((stamp[picked] < protect).all())
         assert not bool(held[picked].any())
+        # Exact by count: each table's misses get min(misses, choosable slots) of its region's slots.
+        choosable = (stamp < protect) & ~held
+        for t, (base, size) in enumerate(zip(theirs.bases.tolist(), capacities, strict=True)):
+            mine_t = miss & (tables == t)
+            free_t = int(choosable[base : base + size].sum())
+            assert int((want[mine_t] >= 0).sum()) == min(int(mine_t.sum()), free_t)
+        stamp = torch.where(torch.rand(slots + 1, generator=gen) < 0.3, 9, stamp)  # more protected next call
 
 
 @pytest.mark.parametrize("seed", range(6), ids=[f"seed{i}" for i in range(6)])

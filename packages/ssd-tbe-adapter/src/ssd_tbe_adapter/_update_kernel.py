@@ -6,7 +6,7 @@ The torch version (:meth:`~ssd_tbe_adapter._device_path.DevicePath.update` then
 gradient, an ``index_add_`` of them into the unique rows (atomics), and the optimizer's gathers, squares,
 ``index_add_`` of the state and of the weights. Here one program owns one unique row: it walks that row's
 lookups in the survey's sorted order (``order`` from ``starts[u]`` to ``starts[u + 1]``, ``BLOCK_L`` at a
-time), sums their bag gradients (times the per-sample weights), then updates the state, the weights and the
+time: a row's steps are a chain of dependent loads, so the hottest row's step count bounds the launch), sums their bag gradients (times the per-sample weights), then updates the state, the weights and the
 dirty flag of the row's slot. No atomics (each slot has one owner), no gradient buffer. Same arithmetic as
 the torch version up to the order of the sums (float32).
 """
@@ -19,7 +19,7 @@ import triton.language as tl
 
 __all__ = ["fused_update"]
 
-_BLOCK_L = 16
+_BLOCK_L = 128  # lookups per step of a row's loop: a Zipf-hot row (hundreds of lookups) takes a few steps
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
@@ -140,4 +140,5 @@ def fused_update(
         HAS_PSW=per_sample_weights is not None,
         ADAGRAD=adagrad,
         ROUND_FP16=round_fp16,
+        num_warps=8,
     )

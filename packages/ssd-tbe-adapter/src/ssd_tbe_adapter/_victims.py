@@ -6,10 +6,12 @@ table, ranked ``r = 0 .. m_t - 1``, look at disjoint groups of ``K_t = min(GROUP
 slots after the hand (miss ``r``: ring positions ``hand_t + r K_t + j``, ``j < K_t``); each takes the group's
 lowest-priority slot that is not protected, and the hand moves past the groups. Priority as an aged LFU: free
 slots first, then fewest uses, then least recently used (``(uses, last tick)``); protected: used at or after
-the ``protect`` tick (rows of batches in flight) or held by this batch's hits. A miss whose group has nothing
-to give (every slot protected, or more misses than slots) goes to the scratch pool.
+the ``protect`` tick (rows of batches in flight) or held by this batch's hits. The misses whose group had
+nothing to give (every slot protected) then take the table's other choosable slots in slot order (one running
+count over the regions, no sort), so a miss goes to the scratch pool only when its table has fewer choosable
+slots than misses, as with an exact choice.
 
-So a miss costs ``K_t`` reads, whatever ``C_t``: a sampled LFU (as Redis's sampled LRU), which keeps the hot rows
+So a miss costs ``K_t`` reads plus elementwise work over the slots: a sampled LFU (as Redis's sampled LRU), which keeps the hot rows
 (a group holds a hot row's slot only when all ``K_t`` are hotter), and exact when one group covers the region
 (a batch that misses fewer than ``C_t / GROUP`` rows of a table with ``C_t <= GROUP`` slots). The groups are
 disjoint, so the misses choose in parallel: one Triton launch on CUDA, the same choice in torch ops elsewhere.
@@ -31,8 +33,12 @@ class VictimTables:
     """The per-table ring state on ``device``: ``bases``, ``capacities`` (int64 ``[T]``) and the hands."""
 
     def __init__(self, capacities: list[int], device: torch.device) -> None:
-        self.bases = torch.tensor([sum(capacities[:t]) for t in range(len(capacities))], device=device)
+        self.bases = torch.tensor(
+            [sum(capacities[:t]) for t in range(len(capacities))], dtype=torch.int64, device=device
+        )
         self.capacities = torch.tensor(capacities, dtype=torch.int64, device=device)
+        self.ends = self.bases + self.capacities
+        self.region = sum(capacities)
         self.hands = torch.zeros(len(capacities), dtype=torch.int64, device=device)
 
 
@@ -73,7 +79,38 @@ def choose_victims(
     else:
         chosen = _pick(first, width_of, grouped, tables, rings, stamp, uses, valid, held, protect, trash)
     rings.hands.copy_((rings.hands + per_table * width) % ring)
-    return chosen
+    return _second_chance(rings, chosen, tables, miss, first_of_table, protect, stamp, held, trash)
+
+
+def _second_chance(
+    rings: VictimTables,
+    chosen: torch.Tensor,
+    tables: torch.Tensor,
+    miss: torch.Tensor,
+    first_of_table: torch.Tensor,
+    protect: torch.Tensor,
+    stamp: torch.Tensor,
+    held: torch.Tensor,
+    trash: int,
+) -> torch.Tensor:
+    """``chosen`` with the misses that got nothing placed in their table's choosable slots that no miss took,
+    in slot order: the ``q``-th such miss of table ``t`` takes the ``q``-th such slot of its region, if any."""
+    n, region, device = tables.numel(), rings.region, tables.device
+    failed = miss & (chosen < 0)
+    taken = torch.zeros(stamp.numel(), dtype=torch.bool, device=device)
+    taken.index_fill_(0, torch.where(chosen >= 0, chosen, trash), True)
+    left = (stamp[:region] < protect) & ~held[:region] & ~taken[:region]
+    running = torch.zeros(region + 1, dtype=torch.int64, device=device)
+    running[1:] = torch.cumsum(left, 0)
+    before = torch.zeros(n + 1, dtype=torch.int64, device=device)
+    before[1:] = torch.cumsum(failed, 0)
+    rank = before[:-1] - before.index_select(0, first_of_table).index_select(0, tables)
+    start = running.index_select(0, rings.bases)
+    room = running.index_select(0, rings.ends) - start
+    placed = failed & (rank < room.index_select(0, tables))
+    # The first running count past start + rank is one past the slot that holds it.
+    slot = torch.searchsorted(running, start.index_select(0, tables) + rank + 1) - 1
+    return torch.where(placed, slot, chosen)
 
 
 def _pick(
