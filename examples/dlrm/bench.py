@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,7 @@ ALL_IMPLS = (
     "torchrec-plain-cat",
     "ours-plain-dense-graphs",
     "ours-kv-no-graph-step",
+    "ours-kv-default-priority",
 )
 CUDA_IMPLS = ALL_IMPLS[:5]  # the default rows on CUDA (torchrec's regroup kernel is fast there)
 CPU_IMPLS = tuple(
@@ -236,8 +237,12 @@ def _run_window(bench: BenchConfig, body: Callable[[], list[int]]) -> dict[str, 
     }
 
 
-def _ours(bench: BenchConfig, *, pipeline: bool, kv: bool, graph_step: bool = True) -> list[int]:
-    config = bench.train_config(pipeline=pipeline, kv=kv, graph_step=graph_step)
+def _ours(
+    bench: BenchConfig, *, pipeline: bool, kv: bool, graph_step: bool = True, priority: str = "high"
+) -> list[int]:
+    config = replace(
+        bench.train_config(pipeline=pipeline, kv=kv, graph_step=graph_step), prefetch_priority=priority
+    )
     result = train(config, rank=bench.rank, world_size=bench.world_size)
     return list(result.samples)
 
@@ -377,6 +382,8 @@ def _run(bench: BenchConfig, impl: str) -> list[int]:
         return _ours(bench, pipeline=False, kv=False, graph_step=False)
     if impl == "ours-kv-no-graph-step":
         return _ours(bench, pipeline=True, kv=True, graph_step=False)
+    if impl == "ours-kv-default-priority":
+        return _ours(bench, pipeline=True, kv=True, priority="default")
     if impl == "torchrec-pipeline":
         return _torchrec(bench, pipeline=True)
     if impl == "torchrec-plain":

@@ -1606,6 +1606,67 @@ def fused_update_case(device: str, optimizer: str, psw: bool, fp16: bool, seed: 
     assert torch.equal(got_d.cpu(), want_dirty)
 
 
+def hash_index_case(device: str, seed: int) -> None:
+    """HashSlotIndex on ``device`` against the sorted SlotIndex rebuilt from scratch on the CPU, over rounds of
+    refills (repeats of the trash slot, keys that come back in other slots, huge and negative ids), frees and
+    crowded rebuilds: the same slot for every lookup, present or absent."""
+    from ssd_tbe_adapter._hash_index import HashSlotIndex
+    from ssd_tbe_adapter._slot_index import SlotIndex
+
+    gen = torch.Generator().manual_seed(seed)
+    slots = 200
+    trash = slots
+    on = torch.device(device)
+    valid = torch.zeros(slots + 1, dtype=torch.bool)
+    tables = torch.zeros(slots + 1, dtype=torch.int64)
+    ids = torch.zeros(slots + 1, dtype=torch.int64)
+    index = HashSlotIndex(valid.to(on), tables.to(on), ids.to(on))
+    universe = torch.cat([torch.arange(-40, 260), torch.tensor([1 << 62, -(1 << 62), (1 << 63) - 1])])
+    for step in range(30):
+        m = int(torch.randint(0, 50, (1,), generator=gen))
+        picked = torch.randperm(slots, generator=gen)[:m]  # distinct, as the tiers' refills
+        # Keys not held by another valid slot (a row lives in one slot), some of them back from earlier.
+        held = set(zip(tables[valid].tolist(), ids[valid].tolist(), strict=True))
+        fresh = [
+            (t, i)
+            for t, i in zip(
+                torch.randint(0, 3, (4 * m + 4,), generator=gen).tolist(),
+                universe[torch.randint(0, universe.numel(), (4 * m + 4,), generator=gen)].tolist(),
+                strict=True,
+            )
+            if (t, i) not in held
+        ]
+        fresh = list(dict.fromkeys(fresh))[:m]
+        picked = picked[: len(fresh)]
+        new_tables = torch.tensor([t for t, _ in fresh], dtype=torch.int64)
+        new_ids = torch.tensor([i for _, i in fresh], dtype=torch.int64)
+        tables.index_copy_(0, picked, new_tables)
+        ids.index_copy_(0, picked, new_ids)
+        valid.index_fill_(0, picked, True)
+        padded = torch.cat([picked, torch.full((3,), trash)])
+        index.set_keys(
+            padded.to(on), tables.index_select(0, padded).to(on), ids.index_select(0, padded).to(on)
+        )
+        index.merge(valid.to(on), padded.to(on))
+        freed = torch.randint(0, slots, (int(torch.randint(0, 15, (1,), generator=gen)),), generator=gen)
+        valid.index_fill_(0, freed, False)
+        if step % 7 == 6:
+            index.rebuild_if_crowded(int(index.entries), valid.to(on))
+        full = SlotIndex(valid, tables, ids)
+        probe_tables = torch.cat([tables, torch.randint(0, 3, (60,), generator=gen)])
+        probe_ids = torch.cat([ids, universe[torch.randint(0, universe.numel(), (60,), generator=gen)]])
+        got = index.find(probe_tables.to(on), probe_ids.to(on), valid.to(on), tables.to(on), ids.to(on))
+        assert torch.equal(got.cpu(), full.find(probe_tables, probe_ids, valid, tables, ids))
+    assert int(index.entries) <= index.cells.numel() * 3 // 4
+
+
+@pytest.mark.gpu
+def test_cuda_hash_index_gives_the_sorted_index_lookups() -> None:
+    """The device hash table (CUDA's index) finds what the sorted index finds, over refills, frees, rebuilds."""
+    for seed in range(6):
+        hash_index_case("cuda", seed)
+
+
 def victims_case(device: str, seed: int) -> None:
     """``choose_victims`` on ``device`` against its torch version on the CPU over random slot states (free,
     protected, held, every table size including 0 and 1, more misses than slots), both advancing the hands

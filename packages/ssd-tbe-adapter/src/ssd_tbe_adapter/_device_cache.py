@@ -47,10 +47,10 @@ import torch
 
 from ssd_tbe_adapter._dram_tier import DramTier
 from ssd_tbe_adapter._graphed import GraphedCalls
+from ssd_tbe_adapter._hash_index import HashSlotIndex, new_slot_index
 from ssd_tbe_adapter._host_tier import RowTier, TierRows
 from ssd_tbe_adapter._optimizer import RowOptimizer
 from ssd_tbe_adapter._row_moves import StagingBuffers, moves_on_device
-from ssd_tbe_adapter._slot_index import SlotIndex
 from ssd_tbe_adapter._victims import MAX_USES, NEVER, TICK_BITS, VictimTables, choose_victims
 from ssd_tbe_adapter.errors import InvalidArgumentError
 
@@ -140,6 +140,10 @@ class LookupSource:
     checks: int
     expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
+
+# The survey's counts read by the host: unique pairs, misses, scratch overflow, free scratch slots, misses the
+# DRAM tier holds, its free slots, the entries of the index here and of the DRAM tier's (then the checks).
+_COUNTS = 8
 
 _Issued = tuple[Survey, torch.Tensor | None]  # a survey issued, with its LookupSource's extra output
 
@@ -327,7 +331,7 @@ class DeviceCache:
         # `valid[slots] = False`: an element assignment is a synchronous host-to-device copy on CUDA).
         self.weights, self.state, self.slot_ids, self.slot_tables = weights, state, slot_ids, slot_tables
         self.valid, self.dirty, self.stamp, self.uses = valid, dirty, stamp, uses
-        self._index = SlotIndex(self.valid, self.slot_tables, self.slot_ids)
+        self._index = new_slot_index(self.valid, self.slot_tables, self.slot_ids)
         self._generation += 1
         self._surveys.clear()
         self._sourced.clear()
@@ -475,7 +479,7 @@ class DeviceCache:
         dram = self.lower if isinstance(self.lower, DramTier) else None
         columns = 3 if dram is not None else 2
         host_missing = self._staging.get(f"missing{padded}", padded, columns, torch.int64)
-        host_read = self._staging.get(f"read{padded}", 1, 6 + checks, torch.int64)
+        host_read = self._staging.get(f"read{padded}", 1, _COUNTS + checks, torch.int64)
         scalars = self._staging.get(f"scalars{len(values)}", 1, 2 + len(values), torch.int64)
         # The victim choice's bound, the padding's negative count, then the source's values.
         scalars.numpy()[0] = (protect, n - padded, *values)
@@ -532,7 +536,12 @@ class DeviceCache:
         slots, touched = survey.slots, survey.touched
         u, m, overflow, free = values[:4]
         if verify is not None:
-            verify(values[6:])
+            verify(values[_COUNTS:])
+        # The indexes' entries as the survey saw them (rebuilt here, between batches, when crowded).
+        if isinstance(self._index, HashSlotIndex):
+            self._index.rebuild_if_crowded(values[6], self.valid)
+        if dram is not None:
+            dram.rebuild_index_if_crowded(values[7])
         # Hits: stamped and counted (unique slots: a plain copy, the trash slot takes the rest).
         self.stamp.index_fill_(0, touched, tick)
         self.uses.index_copy_(0, touched, self.uses.index_select(0, touched) + counts)
@@ -650,6 +659,9 @@ class DeviceCache:
             counted += [(below >= 0).sum(), dram_free]
         else:
             counted += [unique * 0, unique * 0]
+        index_entries = self._index.entries if isinstance(self._index, HashSlotIndex) else unique * 0
+        dram_entries = self.lower.index_entries() if isinstance(self.lower, DramTier) else None
+        counted += [index_entries, unique * 0 if dram_entries is None else dram_entries]
         cuda = device.type == "cuda"
         host_missing.copy_(torch.stack(columns, 1).index_select(0, at[:n]), non_blocking=cuda)
         read = torch.stack(counted)

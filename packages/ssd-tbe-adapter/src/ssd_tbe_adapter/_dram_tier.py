@@ -25,9 +25,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ssd_tbe_adapter._hash_index import HashSlotIndex, new_slot_index
 from ssd_tbe_adapter._host_tier import RowTier, TierMetrics, TierRows
 from ssd_tbe_adapter._row_moves import StagingBuffers, gather_rows, scatter_rows
-from ssd_tbe_adapter._slot_index import SlotIndex
 
 __all__ = ["DramTier"]
 
@@ -65,7 +65,7 @@ class DramTier:
         self._clock = torch.zeros(
             (), dtype=torch.int64, device=device
         )  # counts keeps (on the device: graphs)
-        self._index = SlotIndex(self.valid, self.slot_tables, self.slot_ids)
+        self._index = new_slot_index(self.valid, self.slot_tables, self.slot_ids)
         self._staging = StagingBuffers(device)
         self._kept = torch.zeros((), dtype=torch.int64, device=device)  # rows kept since the last fold
         self.metrics = TierMetrics()
@@ -85,6 +85,15 @@ class DramTier:
         slots = self._index.find(tables, ids, self.valid, self.slot_tables, self.slot_ids)
         free = self.capacity - self.valid[: self.capacity].sum()
         return torch.where(wanted, slots, -1), free
+
+    def index_entries(self) -> torch.Tensor | None:
+        """The hash index's entry count (0-dim, on the device; see ``HashSlotIndex``), None for a sorted one."""
+        return self._index.entries if isinstance(self._index, HashSlotIndex) else None
+
+    def rebuild_index_if_crowded(self, entries: int) -> None:
+        """Rebuild the hash index if ``entries`` (its count as last read on the host) passed half of it."""
+        if isinstance(self._index, HashSlotIndex):
+            self._index.rebuild_if_crowded(entries, self.valid)
 
     def read_below(self, keys: torch.Tensor, absent: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows of the ``absent`` keys not held here, read from the tier below (host work; a failing read
