@@ -839,7 +839,7 @@ def test_unique_pairs_padded_match_torch_unique(seed: int) -> None:
     n = int(torch.randint(1, 40, (1,), generator=gen))
     tables = torch.randint(0, 3, (n,), generator=gen)
     ids = ID_POOL[torch.randint(0, ID_POOL.numel(), (n,), generator=gen)]
-    u_tables, u_ids, counts, inverse, unique, order, starts = _unique_pairs(tables, ids)
+    u_tables, u_ids, counts, inverse, unique, order, sorted_pairs = _unique_pairs(tables, ids)
     pairs, want_inverse, want_counts = torch.unique(
         torch.stack([tables, ids], 1), dim=0, return_inverse=True, return_counts=True
     )
@@ -849,11 +849,10 @@ def test_unique_pairs_padded_match_torch_unique(seed: int) -> None:
     assert torch.equal(counts[:u], want_counts)
     assert int(counts[u:].sum()) == 0
     assert torch.equal(inverse, want_inverse)
-    # The lookups sorted by pair: each pair's segment holds exactly its lookups.
-    assert int(starts[u]) == n
-    for k in range(u):
-        segment = order[int(starts[k]) : int(starts[k + 1])]
-        assert torch.equal(inverse.index_select(0, segment), torch.full_like(segment, k))
+    # The lookups sorted by pair, with the pair of each sorted position (ascending).
+    assert torch.equal(torch.sort(order).values, torch.arange(n))
+    assert torch.equal(inverse.index_select(0, order), sorted_pairs)
+    assert bool((sorted_pairs[1:] >= sorted_pairs[:-1]).all())
 
 
 def test_device_cache_counts_every_lookup_of_a_hit() -> None:
@@ -1548,7 +1547,7 @@ def fused_update_case(device: str, optimizer: str, psw: bool, fp16: bool, seed: 
     ids = torch.where(torch.rand(n, generator=gen) < 0.5, 7, torch.randint(0, 20, (n,), generator=gen))
     pad_tables = torch.cat([tables, tables[:1].expand(padded - n)])
     pad_ids = torch.cat([ids, ids[:1].expand(padded - n)])
-    _, _, _, inverse, unique, order, starts = _unique_pairs(pad_tables, pad_ids)
+    _, _, _, inverse, unique, order, pairs = _unique_pairs(pad_tables, pad_ids)
     u = int(unique)
     unique_slots = torch.randperm(slots, generator=gen)[:u]
     unique_slots[u // 2] = slots if u > 1 else unique_slots[u // 2]  # the trash slot: skipped
@@ -1585,7 +1584,7 @@ def fused_update_case(device: str, optimizer: str, psw: bool, fp16: bool, seed: 
         bag_of_lookup.to(on),
         None if weights_psw is None else weights_psw.to(on),
         order.to(on),
-        starts[: u + 1].to(on),
+        pairs.to(on),
         unique_slots.to(on),
         slot_tables.to(on),
         dims_t.to(on),
@@ -1738,7 +1737,7 @@ def test_cuda_victim_kernel_gives_the_torch_choice() -> None:
 @pytest.mark.parametrize("psw", [False, True], ids=["plain", "weighted"])
 @pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
 def test_cuda_fused_update_matches_the_torch_backward(optimizer: str, psw: bool, fp16: bool) -> None:
-    """The one-launch backward (sum over each row's lookups, optimizer, dirty flag) gives the torch one."""
+    """The two-launch backward (segmented sums over the sorted lookups, then the optimizer) gives the torch one."""
     for seed in range(6):
         fused_update_case("cuda", optimizer, psw, fp16, seed)
 

@@ -74,7 +74,7 @@ class Assignment:
     unique_slots: torch.Tensor  # [U] int64 distinct: the batch's rows, in (table, id) order
     inverse: torch.Tensor  # [N] int64: position of each lookup's slot in unique_slots
     order: torch.Tensor  # [P] int64: the lookups (padded to P >= N; entries >= N are padding) by unique slot
-    starts: torch.Tensor  # [U + 1] int64: unique slot u's lookups are order[starts[u]:starts[u + 1]]
+    pairs: torch.Tensor  # [P] int64: the unique slot (position in unique_slots) of each of those, ascending
     inserted: int  # rows moved in from the tier below for this batch
 
 
@@ -89,7 +89,7 @@ class Survey:
     counts: torch.Tensor  # lookups per pair (the padding's repeats not counted)
     inverse: torch.Tensor  # position of each lookup's pair
     order: torch.Tensor  # the lookups sorted by pair (the padding's among its first lookup's)
-    starts: torch.Tensor  # [N + 1]: pair k's lookups are order[starts[k]:starts[k + 1]]
+    pairs: torch.Tensor  # the pair of each sorted lookup (ascending)
     slots: torch.Tensor  # each pair's slot here, -1 if not cached
     touched: torch.Tensor  # each hit's slot, the trash slot elsewhere
     chosen: torch.Tensor  # the region slot each miss takes (-1: none, see _victims)
@@ -191,10 +191,10 @@ def _unique_pairs(
     (``torch.unique(dim=0)`` is several times slower).
 
     Returns:
-        ``(tables, ids, counts, inverse, unique, order, starts)``: ``[N]`` pairs (positions ``>= unique``
+        ``(tables, ids, counts, inverse, unique, order, pairs)``: ``[N]`` pairs (positions ``>= unique``
         repeat the last pair), ``[N]`` lookups per pair (0 past ``unique``), ``[N]`` position of each lookup's
-        pair, the number of unique pairs as a 0-dim device tensor, the lookups sorted by pair (``[N]``: pair
-        ``k``'s are ``order[starts[k]:starts[k + 1]]``) and ``[N + 1]`` those starts (``N`` past the last pair).
+        pair, the number of unique pairs as a 0-dim device tensor, the lookups sorted by pair (``[N]``) and the
+        pair of each of those sorted positions (``[N]``, ascending: ``pairs[p] == inverse[order[p]]``).
     """
     n = ids.numel()
     order = torch.argsort(ids, stable=True)
@@ -220,7 +220,7 @@ def _unique_pairs(
         inverse,
         rank[-1] + 1,
         order,
-        starts[: n + 1],
+        rank,
     )
 
 
@@ -515,9 +515,8 @@ class DeviceCache:
                 # host sync: only for an empty batch with checks
                 verify([int(c) for c in started.checks.tolist()])
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-            starts = torch.zeros(1, dtype=torch.int64, device=self.device)
             return Assignment(
-                slots=empty, unique_slots=empty, inverse=empty, order=empty, starts=starts, inserted=0
+                slots=empty, unique_slots=empty, inverse=empty, order=empty, pairs=empty, inserted=0
             )
         survey, key = started.survey, started.key
         host_missing, host_read = started.host_missing, started.host_read
@@ -595,7 +594,7 @@ class DeviceCache:
             unique_slots=unique_slots,
             inverse=inverse.clone(),
             order=survey.order.clone(),
-            starts=survey.starts[: u + 1].clone(),
+            pairs=survey.pairs.clone(),
             inserted=m,
         )
 
@@ -627,7 +626,7 @@ class DeviceCache:
         *checks, host_missing, host_read = rest
         n = ids.numel()
         device = self.device
-        u_tables, u_ids, counts, inverse, unique, order, starts = _unique_pairs(tables, ids)
+        u_tables, u_ids, counts, inverse, unique, order, pairs = _unique_pairs(tables, ids)
         counts.index_add_(0, inverse[:1], scalars[0, 1:2])  # the padding's repeats of the first lookup
         protect = scalars[0, 0]
         real = torch.arange(n, device=device) < unique  # padding past the unique pairs
@@ -674,7 +673,7 @@ class DeviceCache:
             counts=counts,
             inverse=inverse,
             order=order,
-            starts=starts,
+            pairs=pairs,
             slots=slots,
             touched=touched,
             chosen=chosen,
@@ -1012,15 +1011,15 @@ class DeviceCache:
         self,
         slots: torch.Tensor,
         order: torch.Tensor,
-        starts: torch.Tensor,
+        pairs: torch.Tensor,
         grad_bags: torch.Tensor,
         bag_of_lookup: torch.Tensor,
         per_sample_weights: torch.Tensor | None,
         optimizer: RowOptimizer,
     ) -> None:
         """:meth:`update` with each row's gradient summed from its lookups' bag gradients in the same kernel
-        (one launch; see :mod:`~ssd_tbe_adapter._update_kernel`): ``slots`` (``[U]``, the trash slot skipped)
-        as an :class:`Assignment`'s ``unique_slots`` with its ``order`` and ``starts``; ``grad_bags``
+        (two launches; see :mod:`~ssd_tbe_adapter._update_kernel`): ``slots`` (``[U]``, the trash slot skipped)
+        as an :class:`Assignment`'s ``unique_slots`` with its ``order`` and ``pairs``; ``grad_bags``
         ``[bags, D_max]``; ``bag_of_lookup`` and ``per_sample_weights`` per lookup. Only where
         :attr:`fuses_updates`. No sync."""
         from ssd_tbe_adapter._update_kernel import fused_update
@@ -1030,7 +1029,7 @@ class DeviceCache:
             bag_of_lookup,
             per_sample_weights,
             order,
-            starts,
+            pairs,
             slots,
             self.slot_tables,
             self.dims_device,

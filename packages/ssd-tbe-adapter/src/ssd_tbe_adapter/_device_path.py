@@ -71,7 +71,7 @@ class _Batch:
     unique_slots: torch.Tensor  # [U] int64 distinct: the batch's rows
     inverse: torch.Tensor  # [N] int64: position of each lookup's slot in unique_slots
     order: torch.Tensor  # [P] int64: the lookups by unique slot (P >= N; entries >= N are padding)
-    starts: torch.Tensor  # [U + 1] int64: unique slot u's lookups are order[starts[u]:starts[u + 1]]
+    pairs: torch.Tensor  # [P] int64: the unique slot (position in unique_slots) of each of those, ascending
     bag_of_lookup: torch.Tensor  # [N] int64
     tick: int
     version: int  # indices._version at prefetch: an in-place change of the ids voids the prefetch
@@ -367,7 +367,7 @@ class DevicePath:
                 unique_slots=buffer(),
                 inverse=buffer(),
                 order=buffer(lookup_bucket(lookups)),
-                starts=buffer(lookups + 1),
+                pairs=buffer(lookup_bucket(lookups)),
                 bag_of_lookup=unused,
                 tick=0,
                 version=0,
@@ -406,11 +406,10 @@ class DevicePath:
         static.unique_slots[:unique].copy_(batch.unique_slots)
         static.unique_slots[unique:].fill_(self.cache.trash)
         static.order.copy_(batch.order)
-        static.starts[: unique + 1].copy_(batch.starts)
-        static.starts[unique + 1 :].fill_(static.order.numel())  # the padding's rows: no lookups
+        static.pairs.copy_(batch.pairs)
         if self._cuda:
             stream = torch.cuda.current_stream(self._device)
-            for tensor in (batch.slots, batch.unique_slots, batch.inverse, batch.order, batch.starts):
+            for tensor in (batch.slots, batch.unique_slots, batch.inverse, batch.order, batch.pairs):
                 tensor.record_stream(stream)
         self._staged.append(batch)
 
@@ -633,7 +632,7 @@ class DevicePath:
             unique_slots=assignment.unique_slots,
             inverse=assignment.inverse,
             order=assignment.order,
-            starts=assignment.starts,
+            pairs=assignment.pairs,
             bag_of_lookup=started.bag_of_lookup,
             tick=tick,
             version=started.version,
@@ -660,7 +659,7 @@ class DevicePath:
             stream = torch.cuda.current_stream(self._device)
             for tensor in (batch.slots, batch.unique_slots, batch.inverse, batch.bag_of_lookup, batch.order):
                 tensor.record_stream(stream)
-            batch.starts.record_stream(stream)
+            batch.pairs.record_stream(stream)
         weights = self.cache.weights
         offsets = batch.offsets.to(torch.int64)
         psw = None if per_sample_weights is None else per_sample_weights.detach()
@@ -718,7 +717,7 @@ class DevicePath:
         if rows is None and self.cache.fuses_updates:  # one kernel: no per-lookup gradients, no atomics
             psw = None if per_sample_weights is None else per_sample_weights.detach().to(torch.float32)
             self.cache.update_from_bags(
-                batch.unique_slots, batch.order, batch.starts, grad_bags, batch.bag_of_lookup, psw, optimizer
+                batch.unique_slots, batch.order, batch.pairs, grad_bags, batch.bag_of_lookup, psw, optimizer
             )
             if not capturing:
                 self.release(batch)
