@@ -14,10 +14,11 @@ out; sampled: each miss picks the best of a group of up to 16 of its table's slo
 walking the table's slots as a ring (:mod:`~ssd_tbe_adapter._victims`), so the choice costs per miss, not
 per slot.
 
-Index: the valid slots sorted by a 64-bit hash of ``(table, id)`` (invalid slots sort last); a lookup is one
-``searchsorted`` plus a check of the slot's stored ``(table, id)``, so a hash collision could only make a
-row look absent (probability ~``S * N / 2**64`` per batch, ``S`` slots, ``N`` lookups). After each assignment
-that moved rows the new keys are merged in (one sort of the moved rows' keys, elementwise work over the slots).
+Index: on CUDA with Triton a device hash table of the slots' ``(table, id)`` hashes (``_hash_index``: one
+launch per refill and per lookup); elsewhere the valid slots sorted by that hash (invalid
+slots sort last), a lookup one ``searchsorted``, the moved rows' keys merged in after each assignment that moved
+rows. Either way a lookup checks the slot's stored ``(table, id)``, so a hash collision could only make a row
+look absent (probability ~``S * N / 2**64`` per batch, ``S`` slots, ``N`` lookups).
 
 Host syncs happen only in :meth:`DeviceCache.assign` (the prefetch, or a forward without one), at most two:
 one read of its counts (unique rows, misses, scratch overflow) that also brings the missing keys (copied, padded
@@ -271,11 +272,8 @@ class DeviceCache:
                 f"`dims` lists {self.num_tables} tables; the device cache takes fewer than {_MAX_TABLES}"
             )
         self.region_size = sum(self.capacities)  # C: slots owned by tables; the scratch pool follows
-        self.bases = [sum(self.capacities[:t]) for t in range(self.num_tables)]
         self._rings = VictimTables(self.capacities, device)
         self.dims_device = torch.tensor(self.dims, dtype=torch.float32, device=device)
-        self.bases_device = torch.tensor(self.bases, dtype=torch.int64, device=device)
-        self.region_ends = self.bases_device + torch.tensor(self.capacities, dtype=torch.int64, device=device)
         self.metrics = DeviceCacheMetrics()
         self._evicted_since_aging = 0
         # With a DramTier below, victims are counted on the device (no sync): evicted, written back, and the

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ssd_tbe_adapter._row_moves import moves_on_device
+
 __all__ = ["GROUP", "VictimTables", "choose_victims"]
 
 GROUP = 16  # the widest group a miss looks at
@@ -72,10 +74,10 @@ def choose_victims(
     width_of = width.index_select(0, tables)
     grouped = miss & ((rank + 1) * width_of <= rings.capacities.index_select(0, tables))
     first = rings.hands.index_select(0, tables) + rank * width_of
-    if device.type == "cuda":
+    if device.type == "cuda" and moves_on_device(device):  # Triton importable
         from ssd_tbe_adapter._victims_kernel import pick
 
-        chosen = pick(first, width_of, grouped, tables, rings, stamp, uses, valid, held, protect, n, trash)
+        chosen = pick(first, width_of, grouped, tables, rings, stamp, uses, valid, held, protect)
     else:
         chosen = _pick(first, width_of, grouped, tables, rings, stamp, uses, valid, held, protect, trash)
     rings.hands.copy_((rings.hands + per_table * width) % ring)

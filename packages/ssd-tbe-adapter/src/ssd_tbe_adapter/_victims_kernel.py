@@ -78,11 +78,10 @@ def pick(
     valid: torch.Tensor,
     held: torch.Tensor,
     protect: torch.Tensor,
-    n: int,
-    trash: int,
 ) -> torch.Tensor:
-    """The chosen slot of each of the ``n`` pairs (``-1``: none); see ``_victims._pick``. No sync."""
-    del trash  # the groups never reach it: no masked-off slot is read
+    """The chosen slot of each pair (``-1``: none); see ``_victims._pick`` (no masked-off slot is read, so no
+    trash slot is needed here). No sync."""
+    n = first.numel()
     out = torch.empty(n, dtype=torch.int64, device=first.device)
     if n:
         _pick_kernel[(triton.cdiv(n, _BLOCK),)](
