@@ -30,8 +30,9 @@ With key-value tables the lookup has two kernels. The padding then puts the feat
 every feature to one id count ``C`` (``StepPadding(per_feature=True)``, a multiple of ``Bp / 16``), so each
 kernel's ids are a fixed slice and the lookup splits them by host counts it is handed (``length_per_key``),
 with no read. :meth:`StepGraphs.prefetch_after_step` (a pipeline stage on its own stream) maps the key-value
-slice of the next batch to cache slots: its device survey issued just before the current step's replay, its one
-host sync and row moves right after (``complete=False``, then ``complete_prefetch()``); the captured
+slice of the next batch to cache slots: its device survey issued on its own stream right after the current
+step's replay is launched (running beside it), its one host sync and row moves at the start of the next step
+(``complete=False``, then ``complete_prefetch()``); the captured
 key-value forward reads its slots from static buffers, which the kernel's ``replaying()`` fills before each
 replay and releases after it. Graphs are recorded again when the
 key-value cache's tensors change (``captured_buffers()``: the scratch pool grew).
@@ -308,6 +309,7 @@ class StepGraphs:
         self._kv: list[tuple[KeyValueEmbeddingBags, int, int]] = []  # kernel, first feature, features
         # prefetch_after_step's prefetches not issued yet: (kernels' inputs, Bp, stream)
         self._deferred: deque[tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], int, Any]] = deque()
+        self._started = False  # a deferred prefetch's survey issued (complete=False), not finished yet
         first = 0
         for group in lookup.groups:
             if isinstance(group.kernel, KeyValueEmbeddingBags):
@@ -343,9 +345,9 @@ class StepGraphs:
 
     def prefetch_after_step(self, batch: PaddedBatch) -> PaddedBatch:
         """A pipeline's prefetch stage: :meth:`prefetch`, its work issued on the current stream around the next
-        :meth:`step`'s replay (its survey just before the replay is launched, its one sync and row moves right
-        after: the survey runs while the host launches the replay, the rest overlaps the replay on the GPU),
-        or at the start of the step of ``batch`` itself if that comes first."""
+        :meth:`step`'s replay (its survey right after the replay is launched, running beside it on the GPU; its
+        one sync and row moves at the start of the step after), or at the start of the step of ``batch``
+        itself if that comes first."""
         inputs = self._kv_inputs(batch)
         stream = torch.cuda.current_stream() if inputs and inputs[0][0].is_cuda else None
         self._deferred.append((inputs, batch.batch.batch_size, stream))
@@ -395,39 +397,53 @@ class StepGraphs:
         the graphs' check: assigning slots may grow the key-value cache, which the graphs hold by address)."""
         if self._kv and not batch.kv_inputs:
             batch = self.prefetch(batch)
+        self._complete_started()  # this batch's prefetch, issued behind the last replay: its sync and row moves
         self._run_deferred(batch)  # its own prefetch, if it is still deferred
-        started = self._start_next()
         try:
             return self._step(batch)
         finally:
-            if started:  # the next batch's prefetch: its sync and row moves, behind this step's replay
-                for kernel, _, _ in self._kv:
-                    kernel.complete_prefetch()
             self._run_deferred(None)  # the later batches' prefetches, behind this step's work
 
-    def _start_next(self) -> bool:
-        """Issue the survey of the first deferred prefetch (CUDA) before this step's replay, so that the survey
-        runs on the GPU while the host launches the replay, and the prefetch's one sync, after the launch, finds
-        it done; returns whether one was issued (its kernels' ``complete_prefetch`` finishes it)."""
+    def _start_next(self) -> None:
+        """Issue the survey of the first deferred prefetch (CUDA) right after this step's replay was launched,
+        on the prefetch's own stream: the survey (a chain of small kernels) runs beside the replay on the GPU,
+        and its one host sync and row moves wait for the next :meth:`step`, when the host has done the
+        pipeline's other work (so the sync finds the survey done). Issued before the replay, the survey ran
+        ahead of it instead of beside it, and the sync right after the launch kept the host from the next
+        batch until the survey was done (H200 trace, 2026-12-03)."""
         if not self._deferred or self._deferred[0][2] is None:
-            return False
+            return
         inputs, padded, stream = self._deferred.popleft()
         with torch.cuda.stream(stream):
             for (kernel, _, features), (ids, offsets) in zip(self._kv, inputs, strict=True):
                 kernel.prefetch(ids, offsets, [[padded]] * features, complete=False)
-        return True
+        self._started = True
+
+    def _complete_started(self) -> None:
+        """Finish the prefetch :meth:`_start_next` issued (if any): its sync and row moves, behind the replay it
+        was issued after (before this step's graphs are checked: the moves may grow the cache)."""
+        if self._started:
+            self._started = False
+            for kernel, _, _ in self._kv:
+                kernel.complete_prefetch()
 
     def _step(self, batch: PaddedBatch) -> torch.Tensor:
         key = batch.shape_key
         captured = self._graphs.get(key)
         if captured is not None and not self._still_valid(captured):
             self._graphs.clear()
+            # A fresh pool for the graphs recorded from now on: tensors first allocated under a capture (the
+            # key-value kernel's static slot buffers) outlive its graph, and a private pool whose graphs are
+            # all gone but whose blocks are still held cannot be captured into again (an internal assert of
+            # the caching allocator, met on the H200 when a tiny cache grew twice).
+            self._pool = torch.cuda.graph_pool_handle()
             captured = None
         if captured is None:
             seen = self._seen[key]
             self._seen[key] += 1
             if not self.capture or seen < self.warmup or len(self._graphs) >= self.max_graphs:
                 loss = self._eager(batch)
+                self._start_next()
                 self.eager_steps += 1
                 _count_step(self.optimizer)
                 return loss
@@ -437,6 +453,7 @@ class StepGraphs:
             for (kernel, _, features), (ids, offsets) in zip(self._kv, self._kv_inputs(batch), strict=True):
                 replaying.enter_context(kernel.replaying(ids, offsets, [[batch.batch.batch_size]] * features))
             captured.graph.replay()
+            self._start_next()  # the next batch's survey, while this one's rows are still held
         self.replays += 1
         _count_step(self.optimizer)
         return captured.loss.clone()

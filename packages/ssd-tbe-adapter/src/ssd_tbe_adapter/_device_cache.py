@@ -77,6 +77,12 @@ class Assignment:
     order: torch.Tensor  # [P] int64: the lookups (padded to P >= N; entries >= N are padding) by unique slot
     pairs: torch.Tensor  # [P] int64: the unique slot (position in unique_slots) of each of those, ascending
     inserted: int  # rows moved in from the tier below for this batch
+    # [3N + 2P] int64, of which the fields above are views: the unique slots padded to N with the trash slot,
+    # slots, inverse, order, pairs (one copy stages them all for a replay)
+    packed: torch.Tensor
+    trash: (
+        int  # the trash slot the padding holds (the pool may grow, and the trash slot move, before staging)
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -284,6 +290,8 @@ class DeviceCache:
         self._surveys: GraphedCalls[Survey] = GraphedCalls(device, self._survey)
         self._sourced: GraphedCalls[tuple[Survey, torch.Tensor]] = GraphedCalls(device, self._sourced_survey)
         self._moves: GraphedCalls[torch.Tensor] = GraphedCalls(device, self._move_steady)
+        self._trash: torch.Tensor | None = None  # the trash slot's number on the device (see _trash_slot)
+        self._trash_value = -1
         self._allocate(self.region_size, keep=False)
 
     # ------------------------------------------------------------------ state
@@ -514,7 +522,14 @@ class DeviceCache:
                 verify([int(c) for c in started.checks.tolist()])
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return Assignment(
-                slots=empty, unique_slots=empty, inverse=empty, order=empty, pairs=empty, inserted=0
+                slots=empty,
+                unique_slots=empty,
+                inverse=empty,
+                order=empty,
+                pairs=empty,
+                inserted=0,
+                packed=empty,
+                trash=self.trash,
             )
         survey, key = started.survey, started.key
         host_missing, host_read = started.host_missing, started.host_read
@@ -584,17 +599,37 @@ class DeviceCache:
                 dram.count_taken(asked=m, found=found)
             self.metrics.inserted_rows += m
             self.metrics.bytes_to_device += m * (self.dmax + 2) * 4
-        unique_slots = slots[:u].clone()  # the survey's tensors are the graph's: rewritten by its next replay
         self.metrics.lookups += u
         self.metrics.hits += u - m
-        return Assignment(
-            slots=unique_slots.index_select(0, inverse),
-            unique_slots=unique_slots,
-            inverse=inverse.clone(),
-            order=survey.order.clone(),
-            pairs=survey.pairs.clone(),
-            inserted=m,
+        # One new tensor holds it all (the survey's tensors are the graph's: rewritten by its next replay).
+        p = survey.order.numel()
+        packed = torch.cat(
+            [
+                slots[:u],
+                self._trash_slot().expand(n - u),
+                slots.index_select(0, inverse),
+                inverse,
+                survey.order,
+                survey.pairs,
+            ]
         )
+        return Assignment(
+            slots=packed[n : 2 * n],
+            unique_slots=packed[:u],
+            inverse=packed[2 * n : 3 * n],
+            order=packed[3 * n : 3 * n + p],
+            pairs=packed[3 * n + p :],
+            inserted=m,
+            packed=packed,
+            trash=self.trash,
+        )
+
+    def _trash_slot(self) -> torch.Tensor:
+        """``[1]`` int64 on the device: the trash slot (made again when the pool grew)."""
+        if self._trash is None or self._trash_value != self.trash:
+            self._trash = torch.full((1,), self.trash, dtype=torch.int64, device=self.device)
+            self._trash_value = self.trash
+        return self._trash
 
     def _sourced_survey(
         self,

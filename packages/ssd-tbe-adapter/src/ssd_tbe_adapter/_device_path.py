@@ -73,6 +73,9 @@ class _Batch:
     order: torch.Tensor  # [P] int64: the lookups by unique slot (P >= N; entries >= N are padding)
     pairs: torch.Tensor  # [P] int64: the unique slot (position in unique_slots) of each of those, ascending
     bag_of_lookup: torch.Tensor  # [N] int64
+    # [3N + 2P] int64 whose views the four slot fields are (see Assignment.packed): one copy stages them
+    packed: torch.Tensor
+    trash: int  # the trash slot its padding holds
     tick: int
     version: int  # indices._version at prefetch: an in-place change of the ids voids the prefetch
     num_bags: list[int]  # per feature
@@ -356,19 +359,20 @@ class DevicePath:
             # `empty`, not `zeros`: under a capture a fill would be recorded, and every replay would wipe the
             # slots staged for it. Staging writes them before any replay (or static-mode forward) reads them.
             # Only the slot tensors are buffers: the ids, offsets and bags are the captured forward's own.
-            def buffer(size: int = lookups) -> torch.Tensor:
-                return torch.empty(size, dtype=torch.int64, device=self._device)
-
+            n, p = lookups, lookup_bucket(lookups)
+            packed = torch.empty(3 * n + 2 * p, dtype=torch.int64, device=self._device)
             unused = torch.empty(0, dtype=torch.int64, device=self._device)
             static = _Batch(
                 indices=unused,
                 offsets=unused,
-                slots=buffer(),
-                unique_slots=buffer(),
-                inverse=buffer(),
-                order=buffer(lookup_bucket(lookups)),
-                pairs=buffer(lookup_bucket(lookups)),
+                slots=packed[n : 2 * n],
+                unique_slots=packed[:n],
+                inverse=packed[2 * n : 3 * n],
+                order=packed[3 * n : 3 * n + p],
+                pairs=packed[3 * n + p :],
                 bag_of_lookup=unused,
+                packed=packed,
+                trash=-1,
                 tick=0,
                 version=0,
                 num_bags=[],
@@ -399,18 +403,13 @@ class DevicePath:
                 "old tensors; record it again (captured_buffers() changed) and replay, or prefetch the batch "
                 "before checking captured_buffers()"
             )
-        unique = batch.unique_slots.numel()
         self._wait_insert()
-        static.slots.copy_(batch.slots)
-        static.inverse.copy_(batch.inverse)
-        static.unique_slots[:unique].copy_(batch.unique_slots)
-        static.unique_slots[unique:].fill_(self.cache.trash)
-        static.order.copy_(batch.order)
-        static.pairs.copy_(batch.pairs)
+        # The unique slots padded with the trash slot, the slots, inverse, order and pairs: one copy.
+        static.packed.copy_(batch.packed)
+        if batch.trash != self.cache.trash:  # the pool grew since the assignment: pad with today's trash slot
+            static.unique_slots[batch.unique_slots.numel() :].fill_(self.cache.trash)
         if self._cuda:
-            stream = torch.cuda.current_stream(self._device)
-            for tensor in (batch.slots, batch.unique_slots, batch.inverse, batch.order, batch.pairs):
-                tensor.record_stream(stream)
+            batch.packed.record_stream(torch.cuda.current_stream(self._device))
         self._staged.append(batch)
 
     def replayed(self) -> None:
@@ -634,6 +633,8 @@ class DevicePath:
             order=assignment.order,
             pairs=assignment.pairs,
             bag_of_lookup=started.bag_of_lookup,
+            packed=assignment.packed,
+            trash=assignment.trash,
             tick=tick,
             version=started.version,
             num_bags=list(started.plan.num_bags),
@@ -657,9 +658,8 @@ class DevicePath:
         """Step 3, forward: the output (module layout) and, if ``keep_rows``, the looked-up rows ``[N, D_max]``."""
         if self._cuda and not self.in_capture():
             stream = torch.cuda.current_stream(self._device)
-            for tensor in (batch.slots, batch.unique_slots, batch.inverse, batch.bag_of_lookup, batch.order):
-                tensor.record_stream(stream)
-            batch.pairs.record_stream(stream)
+            batch.packed.record_stream(stream)  # the slot fields' storage
+            batch.bag_of_lookup.record_stream(stream)
         weights = self.cache.weights
         offsets = batch.offsets.to(torch.int64)
         psw = None if per_sample_weights is None else per_sample_weights.detach()

@@ -32,8 +32,8 @@ case has the same shape) and replayed:
   comparison for the graphed key-value rows);
 - ``kv-device-dram-graphed`` / ``kv-device-memstore-graphed``: ``kv-device-dram-prefetch`` /
   ``kv-device-memstore-prefetch`` with the step replayed inside ``replaying`` and ``prefetch(batch k+1,
-  complete=False)`` (its survey, on a prefetch stream) issued just before the replay, ``complete_prefetch()``
-  (its sync and row moves) right after (the graphed trainer's order); re-recorded when
+  complete=False)`` (its survey, on a prefetch stream) issued right after the replay, ``complete_prefetch()``
+  (its sync and row moves) after that (the graphed trainer's order); re-recorded when
   ``captured_buffers()`` change.
 
 With ``--pipelined`` (CUDA) these three issue ``prefetch(batch i+1)`` on a side stream after ``forward(batch i)``
@@ -258,7 +258,11 @@ class _GraphedStep:
     def _addresses(self) -> list[int]:
         return [] if self._module is None else [t.data_ptr() for t in self._module.captured_buffers()]
 
-    def __call__(self, indices: torch.Tensor, offsets: torch.Tensor) -> None:
+    def __call__(
+        self, indices: torch.Tensor, offsets: torch.Tensor, then: Callable[[], None] | None = None
+    ) -> None:
+        """Replay the step of ``(indices, offsets)``; ``then()`` runs right after the replay was issued (inside
+        ``replaying``: the batch's rows still held)."""
         for _ in range(2):
             if self._graph is None or self._buffers != self._addresses():
                 self._capture(indices, offsets)
@@ -267,10 +271,14 @@ class _GraphedStep:
             self._static[1].copy_(offsets)
             if self._module is None:
                 self._graph.replay()
+                if then is not None:
+                    then()
                 return
             try:
                 with self._module.replaying(indices, offsets):
                     self._graph.replay()
+                    if then is not None:
+                        then()
                 return
             except StaleCaptureError:  # staging grew the cache: the batch stays pending, record again
                 self._buffers = []  # the next pass records again
@@ -403,14 +411,17 @@ def run_case(
         prefetch_stream.wait_stream(torch.cuda.current_stream(device))  # the batches are on the device
 
     def graphed_step(name: str, k: int) -> None:
-        # The trainer's order: batch k+1's survey issued first (its own stream), then batch k's replay, then
-        # the prefetch's sync and row moves (which wait for the replay on the device only).
+        # The trainer's order: batch k's replay, then batch k+1's survey on its own stream (beside the replay
+        # on the GPU), then the prefetch's sync and row moves (which wait for the replay on the device only).
         module = modules[name]
         if name not in replays:
             replays[name] = _GraphedStep(device, lambda ids, offs: module(ids, offs).sum().backward(), module)
-        with torch.cuda.stream(prefetch_stream):
-            module.prefetch(*batches[k + 1], complete=False)
-        replays[name](*batches[k])
+
+        def survey_next() -> None:
+            with torch.cuda.stream(prefetch_stream):
+                module.prefetch(*batches[k + 1], complete=False)
+
+        replays[name](*batches[k], then=survey_next)
         module.complete_prefetch()
         module.wait_prefetch()
 
