@@ -21,8 +21,8 @@ as it was). The step equals the unpadded step up to float summation order (teste
 Per padded shape ``(Bp, Cp)`` the first ``warmup`` batches run the same step eagerly (real training steps: they
 also build the lookup's per-layout metadata, which the graph then reads), the next one is captured (recorded, not
 run) and replayed; every later batch of that shape costs five input copies and one replay. All graphs share
-one memory pool (replays are sequential; the loss is cloned out). Graphs are dropped and recaptured when the
-optimizer's state is no longer the tensors they captured (a ``load_state_dict``). The dense gradients come from
+one memory pool (replays are sequential; the loss is cloned out). Graphs are dropped and recaptured, into a fresh
+pool, when the optimizer's state is no longer the tensors they captured (a ``load_state_dict``). The dense gradients come from
 ``torch.autograd.grad`` (never ``.grad``) and the lookup's backward runs from the pooled output's gradient, so no
 parameter's ``AccumulateGrad`` node (which outlives a step, on the stream it was made on) is part of a step.
 
