@@ -21,9 +21,9 @@ as it was). The step equals the unpadded step up to float summation order (teste
 Per padded shape ``(Bp, Cp)`` the first ``warmup`` batches run the same step eagerly (real training steps: they
 also build the lookup's per-layout metadata, which the graph then reads), the next one is captured (recorded, not
 run) and replayed; every later batch of that shape costs five input copies and one replay. All graphs share
-one memory pool (replays are sequential; the loss is cloned out). Graphs are dropped and recaptured, into a fresh
-pool, when the optimizer's state is no longer the tensors they captured (a ``load_state_dict``). The dense gradients come from
-``torch.autograd.grad`` (never ``.grad``) and the lookup's backward runs from the pooled output's gradient, so no
+one memory pool (replays are sequential; the loss is cloned out). Graphs are dropped and recaptured, into a
+fresh pool, when the optimizer's state is no longer the tensors they captured (a ``load_state_dict``). The dense
+gradients come from ``torch.autograd.grad`` (never ``.grad``) and the lookup's backward runs from the pooled output's gradient, so no
 parameter's ``AccumulateGrad`` node (which outlives a step, on the stream it was made on) is part of a step.
 
 With key-value tables the lookup has two kernels. The padding then puts the features in kernel order and pads
@@ -309,7 +309,6 @@ class StepGraphs:
         self._kv: list[tuple[KeyValueEmbeddingBags, int, int]] = []  # kernel, first feature, features
         # prefetch_after_step's prefetches not issued yet: (kernels' inputs, Bp, stream)
         self._deferred: deque[tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], int, Any]] = deque()
-        self._started = False  # a deferred prefetch's survey issued (complete=False), not finished yet
         first = 0
         for group in lookup.groups:
             if isinstance(group.kernel, KeyValueEmbeddingBags):
@@ -397,7 +396,10 @@ class StepGraphs:
         the graphs' check: assigning slots may grow the key-value cache, which the graphs hold by address)."""
         if self._kv and not batch.kv_inputs:
             batch = self.prefetch(batch)
-        self._complete_started()  # this batch's prefetch, issued behind the last replay: its sync and row moves
+        # This batch's prefetch, issued behind the last replay: its sync and row moves (before the graphs are
+        # checked: the moves may grow the cache). Nothing to do when none was issued.
+        for kernel, _, _ in self._kv:
+            kernel.complete_prefetch()
         self._run_deferred(batch)  # its own prefetch, if it is still deferred
         try:
             return self._step(batch)
@@ -417,15 +419,6 @@ class StepGraphs:
         with torch.cuda.stream(stream):
             for (kernel, _, features), (ids, offsets) in zip(self._kv, inputs, strict=True):
                 kernel.prefetch(ids, offsets, [[padded]] * features, complete=False)
-        self._started = True
-
-    def _complete_started(self) -> None:
-        """Finish the prefetch :meth:`_start_next` issued (if any): its sync and row moves, behind the replay it
-        was issued after (before this step's graphs are checked: the moves may grow the cache)."""
-        if self._started:
-            self._started = False
-            for kernel, _, _ in self._kv:
-                kernel.complete_prefetch()
 
     def _step(self, batch: PaddedBatch) -> torch.Tensor:
         key = batch.shape_key

@@ -80,9 +80,8 @@ class Assignment:
     # [3N + 2P] int64, of which the fields above are views: the unique slots padded to N with the trash slot,
     # slots, inverse, order, pairs (one copy stages them all for a replay)
     packed: torch.Tensor
-    trash: (
-        int  # the trash slot the padding holds (the pool may grow, and the trash slot move, before staging)
-    )
+    # The trash slot the padding holds (the pool may grow, and the trash slot move, before the batch is staged).
+    trash: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
