@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from examples.dlrm.collector import StepCollector
 from examples.dlrm.data import SPARSE_FEATURES, DLRMBatch, SyntheticCriteo
 from examples.dlrm.model import MLP, DLRMHead
 from examples.dlrm.train import TrainConfig, dense_optimizer, train
@@ -350,24 +351,35 @@ def _torchrec(bench: BenchConfig, *, pipeline: bool, cat: bool = False) -> list[
         for i in range(bench.total_steps):
             yield pool[i % len(pool)]
 
-    if pipeline:
-        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    # The garbage collector on the same schedule as our trainer's (frozen setup, young generations every
+    # `gc_every` steps), so that neither side's timed steps take a full collection the other is spared.
+    collector = StepCollector(config.gc_every)
+    collector.start()
+    try:
+        if pipeline:
+            from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-        pipe = TrainPipelineSparseDist(model, optimizer, device)
-        it = batches()
-        try:
-            while True:
-                pipe.progress(it)
-        except StopIteration:
-            pass
-    else:
-        model.train()
-        for b in batches():
-            b = b.to(device, non_blocking=True)
-            optimizer.zero_grad(set_to_none=True)
-            loss, _ = model(b)
-            loss.backward()
-            optimizer.step()
+            pipe = TrainPipelineSparseDist(model, optimizer, device)
+            it = batches()
+            step = 0
+            try:
+                while True:
+                    pipe.progress(it)
+                    step += 1
+                    collector.after_step(step)
+            except StopIteration:
+                pass
+        else:
+            model.train()
+            for step, b in enumerate(batches(), start=1):
+                b = b.to(device, non_blocking=True)
+                optimizer.zero_grad(set_to_none=True)
+                loss, _ = model(b)
+                loss.backward()
+                optimizer.step()
+                collector.after_step(step)
+    finally:
+        collector.stop()
     return sizes
 
 

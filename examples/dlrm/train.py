@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from examples.dlrm.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from examples.dlrm.collector import StepCollector
 from examples.dlrm.data import (
     CRITEO_KAGGLE_CARDINALITIES,
     NUM_DENSE,
@@ -93,6 +94,7 @@ class TrainConfig:
     resume: bool = False
     checkpoint_every: int = 0
     log_every: int = 25
+    gc_every: int = 100
     batch_pool: int = 0
     regroup_backend: str = "auto"
     device: str = "auto"
@@ -393,6 +395,18 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
         ArgumentError: a bad configuration (see :func:`validate`), on every rank before any collective.
         CheckpointError: ``resume`` without a compatible checkpoint.
     """
+    collector = StepCollector(config.gc_every)
+    try:
+        return _train(
+            config, rank=rank, world_size=world_size, collect_kv_rows=collect_kv_rows, collector=collector
+        )
+    finally:
+        collector.stop()  # also when a step raised: the caller's collector works as before
+
+
+def _train(
+    config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: bool, collector: StepCollector
+) -> TrainResult:
     validate(config, check_resume=False)
     device = _device(config)
     if device.type == "cuda":
@@ -647,6 +661,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
     step = start
     exhausted = False
     side_seconds = {"eval": 0.0, "checkpoint": 0.0}
+    collector.start()  # setup's objects frozen: no full collection lands on a training step
     wall_start = time.perf_counter()
     # Segments end where the pipeline must be empty: before an evaluation (its forwards would take a
     # training batch's pipelined input) and a checkpoint (nothing in flight, the data position exact).
@@ -681,6 +696,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
                 dense_step.step()
                 timer.lap("dense optimizer")
             step += 1
+            collector.after_step(step)  # the same step on every rank
             window.losses.append(loss.detach())
             window.samples.append(batch.batch_size)
             window.seconds.append(time.perf_counter() - step_start)
@@ -692,6 +708,7 @@ def train(config: TrainConfig, *, rank: int, world_size: int, collect_kv_rows: b
                 window = _Window()
                 timer.lap("logging")
         flush_window(window, step)
+        collector.segment_end()
         exhausted = step < end
         began = time.perf_counter()
         if metrics is not None and config.eval_every > 0 and step % config.eval_every == 0:
@@ -1066,6 +1083,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
     p.add_argument("--log-every", type=int, default=defaults.log_every)
     p.add_argument(
+        "--gc-every",
+        type=int,
+        default=defaults.gc_every,
+        help="collect Python garbage every N steps, setup's objects frozen (0: Python's automatic collection)",
+    )
+    p.add_argument(
         "--batch-pool",
         type=int,
         default=defaults.batch_pool,
@@ -1127,6 +1150,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         resume=a.resume,
         checkpoint_every=a.checkpoint_every,
         log_every=a.log_every,
+        gc_every=a.gc_every,
         batch_pool=a.batch_pool,
         regroup_backend=a.regroup_backend,
         graph_dense=not a.no_graph_dense,
@@ -1180,6 +1204,10 @@ def validate(config: TrainConfig, *, check_resume: bool = True) -> None:
     if config.prefetch_priority not in ("high", "default"):
         raise ArgumentError(
             f"`--prefetch-priority` is {config.prefetch_priority!r}, expected 'high' or 'default'"
+        )
+    if config.gc_every < 0:
+        raise ArgumentError(
+            f"`--gc-every` is {config.gc_every}, expected >= 0 (0: Python's automatic collection)"
         )
     if config.eval_every < 0 or config.eval_batches < 0:
         raise ArgumentError(
