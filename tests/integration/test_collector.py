@@ -88,22 +88,8 @@ def test_train_gives_the_collector_back_when_a_step_raises(
         raise RuntimeError("step failed")
 
     monkeypatch.setattr(StepCollector, "after_step", failing_after_step)
-    config = TrainConfig(
-        out=tmp_path / "run",
-        steps=2,
-        batch_size=16,
-        min_batch_size=8,
-        embedding_dim=8,
-        bottom_layers=(8,),
-        top_layers=(8,),
-        max_rows=100,
-        kv_max_rows=1000,
-        cache_rows=32,
-        eval_batches=0,
-        progress=False,
-        tensorboard=False,
-        data_workers=0,
-    )
+    # A small run of the default model (its key-value tables included): the failure comes at the first step.
+    config = TrainConfig(out=tmp_path / "run", steps=2, eval_batches=0, progress=False, tensorboard=False)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         with pytest.raises(RuntimeError, match="step failed"):
