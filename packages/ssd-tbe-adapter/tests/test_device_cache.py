@@ -867,6 +867,66 @@ def test_device_cache_counts_every_lookup_of_a_hit() -> None:
     assert cache.stamp[again].tolist() == [2] * 6
 
 
+def _check_assignment(cache: DeviceCache, got: Any, tables: torch.Tensor, ids: torch.Tensor) -> None:
+    """``got`` (an Assignment of ``(tables, ids)``) names each lookup's row, its fields consistent."""
+    n = ids.numel()
+    assert torch.equal(cache.slot_tables[got.slots], tables)
+    assert torch.equal(cache.slot_ids[got.slots], ids)
+    assert bool(cache.valid[got.slots].all())
+    assert torch.equal(got.unique_slots[got.inverse], got.slots)
+    assert got.unique_slots.unique().numel() == got.unique_slots.numel()
+    real = got.order < n
+    assert torch.equal(got.pairs[real], got.inverse[got.order[real]])
+    assert bool((got.pairs[1:] >= got.pairs[:-1]).all())
+
+
+def test_hits_only_survey_serves_a_cached_batch_and_surveys_again_on_a_miss() -> None:
+    """After an assignment without a miss the next survey looks for hits only: a batch it all hits gets its
+    rows' slots, stamped and counted as the full survey does; a batch with a miss is surveyed again in full
+    (its row moved in), and the survey after that is a full one."""
+    cache = DeviceCache([4, 4], [4, 4], torch.device("cpu"), _NullTier(), round_fp16=False)
+    tables, ids = torch.tensor([0, 1, 0, 0, 1]), torch.tensor([5, 5, 7, 5, 9])
+    first = cache.assign(tables, ids, tick=1, protect=1)  # misses: a full survey
+    second = cache.assign(tables, ids, tick=2, protect=2)  # the last one missed: full again, no miss
+    assert (cache.metrics.hit_surveys, cache.metrics.resurveys) == (0, 0)
+    third = cache.assign(tables, ids, tick=3, protect=3)  # hits only
+    assert (cache.metrics.hit_surveys, cache.metrics.resurveys) == (1, 0)
+    for got in (first, second, third):
+        _check_assignment(cache, got, tables, ids)
+    assert torch.equal(third.slots, first.slots)
+    assert third.inserted == 0
+    assert cache.uses[third.slots].tolist() == [5, 3, 3, 5, 3]  # 1 at the move in, then 2 batches' lookups
+    assert cache.stamp[third.slots].tolist() == [3] * 5
+    new_tables, new_ids = torch.tensor([0, 1, 1]), torch.tensor([5, 11, 11])
+    fourth = cache.assign(new_tables, new_ids, tick=4, protect=4)  # hits only finds a miss: surveyed again
+    assert (cache.metrics.hit_surveys, cache.metrics.resurveys) == (2, 1)
+    _check_assignment(cache, fourth, new_tables, new_ids)
+    assert fourth.inserted == 1
+    assert cache.uses[fourth.slots].tolist() == [6, 1, 1]
+    fifth = cache.assign(new_tables, new_ids, tick=5, protect=5)  # the last one missed: a full survey
+    assert cache.metrics.hit_surveys == 2
+    _check_assignment(cache, fifth, new_tables, new_ids)
+    assert cache.metrics.assigns == 5
+
+
+@pytest.mark.parametrize(
+    ("tiers", "ahead"),
+    [
+        ({"cache_rows": 64}, 2),
+        ({"cache_rows": 10, "host_cache_rows": 64}, 1),
+        ({"cache_rows": 10, "host_cache_rows": 64}, 2),
+    ],
+    ids=["hbm64-ahead2", "hbm10+dram64-ahead1", "hbm10+dram64-ahead2"],
+)
+def test_hits_only_surveys_match_the_reference(tiers: dict[str, object], ahead: int) -> None:
+    """Over a cache that soon holds most rows, surveys after an assignment without a miss look for hits only
+    and some of them find a miss (surveyed again in full): outputs, gradients and rows stay the reference's
+    and the host path's."""
+    module = check_against_both("cpu", tiers, ahead=ahead, layout="vbe", steps=24)
+    metrics = module.metrics()
+    assert metrics["hbm_hit_surveys"] >= metrics["hbm_resurveys"] >= 1, metrics
+
+
 class _LoggedTier(HostTier):
     """A host tier that logs its takes and gives into a shared list (with the keys asked / handed)."""
 
@@ -1792,6 +1852,30 @@ def test_cuda_steady_moves_replay_and_match_the_reference() -> None:
     assert metrics["hbm_steady_assigns"] >= 2, metrics["hbm_steady_assigns"]
     assert metrics["hbm_survey_graph_replays"] > 0
     assert metrics["hbm_move_graph_replays"] + metrics["hbm_steady_assigns"] >= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("replay", ["", "graph"], ids=["eager", "graph"])
+@pytest.mark.parametrize(
+    ("tiers", "ahead"),
+    [
+        ({"cache_rows": 64}, 2),
+        ({"cache_rows": 10, "host_cache_rows": 64}, 1),
+        ({"cache_rows": 10, "host_cache_rows": 64}, 2),
+    ],
+    ids=["hbm64-ahead2", "hbm10+dram64-ahead1", "hbm10+dram64-ahead2"],
+)
+def test_cuda_hits_only_surveys_match_the_reference(
+    tiers: dict[str, object], ahead: int, replay: str
+) -> None:
+    """On CUDA, in the trainer's order (survey issued, the current batch replayed, then completed), hits-only
+    surveys (graphed) and the full surveys after those that found a miss give the reference's results."""
+    module = check_against_both(
+        "cuda", tiers, ahead=ahead, layout="vbe", steps=24, replay=replay, deferred=True
+    )
+    metrics = module.metrics()
+    assert metrics["hbm_hit_surveys"] >= metrics["hbm_resurveys"] >= 1, metrics
+    assert metrics["hbm_survey_graph_replays"] > 0
 
 
 @pytest.mark.gpu

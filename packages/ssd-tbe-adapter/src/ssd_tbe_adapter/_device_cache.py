@@ -24,7 +24,9 @@ Host syncs happen only in :meth:`DeviceCache.assign` (the prefetch, or a forward
 one read of its counts (unique rows, misses, scratch overflow) that also brings the missing keys (copied, padded
 to the batch's lookups, into a reused pinned buffer just before), and with misses one wait for a single
 device-to-host copy of the victims' keys, flags and rows (the rows read from below go up in one copy nothing
-waits for). Everything before the counts works on arrays padded to the batch's lookups, so no shape depends on
+waits for). After an assignment without a miss the next one's survey looks for hits only (no victim choice,
+no lookup below: a cache that holds the working set does nothing else); when that finds a miss, the full
+survey follows and its read is one more sync, on that batch only. Everything before the counts works on arrays padded to the batch's lookups, so no shape depends on
 data until then.
 
 Streams (CUDA): the slot metadata (index, ``(table, id)``, valid, stamps, use counts) is written only by
@@ -39,6 +41,7 @@ and before the scratch pool grows (the copy reads every row).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -85,19 +88,26 @@ class Assignment:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class Survey:
-    """What an assignment's survey found over the ``N`` padded lookups (device tensors, ``[N]`` unless said)."""
+class HitSurvey:
+    """What a survey found over the ``N`` padded lookups, all an assignment without misses needs (device
+    tensors, ``[N]``): the batch's distinct rows ("pairs") and where each lookup's row is."""
+
+    counts: torch.Tensor  # lookups per pair (the padding's repeats not counted), 0 past the pairs
+    inverse: torch.Tensor  # position of each lookup's pair
+    order: torch.Tensor  # the lookups sorted by pair (the padding's among its first lookup's)
+    pairs: torch.Tensor  # the pair of each sorted lookup (ascending)
+    slots: torch.Tensor  # each pair's slot here, -1 if not cached; positions past the pairs repeat the last
+    touched: torch.Tensor  # each hit's slot, the trash slot elsewhere
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Survey(HitSurvey):
+    """A full survey (:meth:`DeviceCache._survey`): its pairs sorted by (table, id), with the misses' victims."""
 
     tables: (
         torch.Tensor
     )  # unique pairs' tables, sorted by (table, id); positions past the pairs repeat the last
     ids: torch.Tensor  # unique pairs' ids
-    counts: torch.Tensor  # lookups per pair (the padding's repeats not counted)
-    inverse: torch.Tensor  # position of each lookup's pair
-    order: torch.Tensor  # the lookups sorted by pair (the padding's among its first lookup's)
-    pairs: torch.Tensor  # the pair of each sorted lookup (ascending)
-    slots: torch.Tensor  # each pair's slot here, -1 if not cached
-    touched: torch.Tensor  # each hit's slot, the trash slot elsewhere
     chosen: torch.Tensor  # the region slot each miss takes (-1: none, see _victims)
     overflowing: torch.Tensor  # the misses left for the scratch pool
     at: torch.Tensor  # [N + 1]: positions of the misses among the pairs, ascending, zeros after them
@@ -111,7 +121,7 @@ class StartedAssign:
 
     n: int  # lookups
     key: tuple[Hashable, ...] | None  # the survey's graph key (the steady move's graph extends it)
-    survey: Survey | None
+    survey: HitSurvey | None  # a Survey, or a hits-only one (see DeviceCache._hit_survey)
     host_missing: torch.Tensor | None  # pinned: the missing keys, written by the survey
     host_read: torch.Tensor | None  # pinned: the counts (and checks), written by the survey
     tick: int
@@ -124,6 +134,8 @@ class StartedAssign:
         False  # the survey's tensors are the same at every call of its key (see DeviceCache._graphed)
     )
     extra: torch.Tensor | None = None  # a LookupSource's extra output, its first n entries (a copy)
+    # A hits-only survey's full survey, issued by finish_assign if it found a miss; None after a full one.
+    again: Callable[[], StartedAssign] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -151,7 +163,7 @@ class LookupSource:
 # DRAM tier holds, its free slots, the entries of the index here and of the DRAM tier's (then the checks).
 _COUNTS = 8
 
-_Issued = tuple[Survey, torch.Tensor | None]  # a survey issued, with its LookupSource's extra output
+_Issued = tuple[HitSurvey, torch.Tensor | None]  # a survey issued, with its LookupSource's extra output
 
 
 def lookup_bucket(n: int) -> int:
@@ -186,6 +198,32 @@ class DeviceCacheMetrics:
     assigns: int = 0
     assigns_with_misses: int = 0
     steady_assigns: int = 0  # of which every miss came from the DRAM tier with no host work (see _steady)
+    hit_surveys: int = 0  # assignments surveyed for hits only first (the last assignment had no miss)
+    resurveys: int = 0  # of which the hits-only survey found a miss: surveyed again in full (one more sync)
+
+
+def _runs(
+    order: torch.Tensor, first: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The runs of equal keys in ``N > 0`` lookups sorted by key (``order``: the lookups in that order;
+    ``first``: whether each sorted position starts a run). No sync.
+
+    Returns:
+        ``(counts, inverse, unique, pairs, head)``: ``[N]`` lookups per run (0 past the runs), ``[N]`` run of
+        each lookup, the number of runs as a 0-dim device tensor, ``[N]`` run of each sorted position
+        (ascending: ``pairs[p] == inverse[order[p]]``) and ``[N]`` sorted position of each run's first lookup
+        (positions past the runs repeat the last run's).
+    """
+    n = order.numel()
+    rank = torch.cumsum(first, 0) - 1
+    inverse = torch.empty_like(order).index_copy_(0, order, rank)
+    # starts[k]: sorted position of run k's first lookup, n past the last run; non-first lookups write to
+    # the dummy entry n + 1 (never read). No element assignment: `t[i] = x` on CUDA is a synchronous
+    # host-to-device copy.
+    starts = torch.full((n + 2,), n, dtype=torch.int64, device=order.device)
+    starts.index_copy_(0, torch.where(first, rank, n + 1), torch.arange(n, device=order.device))
+    counts = starts[1 : n + 1] - starts[:n]
+    return counts, inverse, rank[-1] + 1, rank, starts[:n].clamp(max=n - 1)
 
 
 def _unique_pairs(
@@ -198,11 +236,8 @@ def _unique_pairs(
 
     Returns:
         ``(tables, ids, counts, inverse, unique, order, pairs)``: ``[N]`` pairs (positions ``>= unique``
-        repeat the last pair), ``[N]`` lookups per pair (0 past ``unique``), ``[N]`` position of each lookup's
-        pair, the number of unique pairs as a 0-dim device tensor, the lookups sorted by pair (``[N]``) and the
-        pair of each of those sorted positions (``[N]``, ascending: ``pairs[p] == inverse[order[p]]``).
+        repeat the last pair), then as :func:`_runs`, with ``order`` the lookups sorted by pair.
     """
-    n = ids.numel()
     order = torch.argsort(ids, stable=True)
     # The tables as int16 keys (a radix sort's passes follow the key's width: 2 instead of 8 for int64).
     narrow = tables.index_select(0, order).to(torch.int16)
@@ -210,24 +245,34 @@ def _unique_pairs(
     sorted_tables, sorted_ids = tables.index_select(0, order), ids.index_select(0, order)
     first = torch.ones_like(sorted_ids, dtype=torch.bool)
     first[1:] = (sorted_tables[1:] != sorted_tables[:-1]) | (sorted_ids[1:] != sorted_ids[:-1])
-    rank = torch.cumsum(first, 0) - 1
-    inverse = torch.empty_like(order).index_copy_(0, order, rank)
-    # starts[k]: sorted position of pair k's first lookup, n past the last pair; non-first lookups write to
-    # the dummy entry n + 1 (never read). No element assignment: `t[i] = x` on CUDA is a synchronous
-    # host-to-device copy.
-    starts = torch.full((n + 2,), n, dtype=torch.int64, device=ids.device)
-    starts.index_copy_(0, torch.where(first, rank, n + 1), torch.arange(n, device=ids.device))
-    counts = starts[1 : n + 1] - starts[:n]
-    head = starts[:n].clamp(max=n - 1)
+    counts, inverse, unique, pairs, head = _runs(order, first)
     return (
         sorted_tables.index_select(0, head),
         sorted_ids.index_select(0, head),
         counts,
         inverse,
-        rank[-1] + 1,
+        unique,
         order,
-        rank,
+        pairs,
     )
+
+
+def _unique_slots(
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct slots of ``N > 0`` lookups (``[N]``, ``0 <= slot < 2**31``), ascending, *padded to N* (no
+    sync): one stable sort on int32 keys (4 radix passes, against the 10 of :func:`_unique_pairs`).
+
+    Returns:
+        ``(slots, counts, inverse, unique, order, pairs)``: ``[N]`` distinct slots (positions ``>= unique``
+        repeat the last), then as :func:`_runs`, with ``order`` the lookups sorted by slot.
+    """
+    order = torch.argsort(slots.to(torch.int32), stable=True)
+    sorted_slots = slots.index_select(0, order)
+    first = torch.ones_like(sorted_slots, dtype=torch.bool)
+    first[1:] = sorted_slots[1:] != sorted_slots[:-1]
+    counts, inverse, unique, pairs, head = _runs(order, first)
+    return sorted_slots.index_select(0, head), counts, inverse, unique, order, pairs
 
 
 class DeviceCache:
@@ -287,7 +332,13 @@ class DeviceCache:
         self._staging = StagingBuffers(device)
         self._generation = 0  # bumped when the slot buffers are reallocated (the survey graphs read them)
         self._surveys: GraphedCalls[Survey] = GraphedCalls(device, self._survey)
-        self._sourced: GraphedCalls[tuple[Survey, torch.Tensor]] = GraphedCalls(device, self._sourced_survey)
+        self._hit_surveys: GraphedCalls[HitSurvey] = GraphedCalls(device, self._hit_survey)
+        # Of a LookupSource, full or hits-only (the survey is one of the graphed call's fixed arguments).
+        self._sourced: GraphedCalls[tuple[HitSurvey, torch.Tensor]] = GraphedCalls(
+            device, self._sourced_survey
+        )
+        # The last assignment had no miss: the next one's survey looks for hits only (see _hit_survey).
+        self._expect_hits = False
         self._moves: GraphedCalls[torch.Tensor] = GraphedCalls(device, self._move_steady)
         self._trash: torch.Tensor | None = None  # the trash slot's number on the device (see _trash_slot)
         self._trash_value = -1
@@ -339,6 +390,7 @@ class DeviceCache:
         self._index = new_slot_index(self.valid, self.slot_tables, self.slot_ids)
         self._generation += 1
         self._surveys.clear()
+        self._hit_surveys.clear()
         self._sourced.clear()
         self._moves.clear()
 
@@ -406,20 +458,40 @@ class DeviceCache:
         changed here). :meth:`finish_assign` does the rest; until then nothing else may assign.
 
         ``deferred``: the finish may come after other work was queued on this stream (say a graph replay), so
-        it waits for an event recorded after the survey instead of for the whole stream."""
+        it waits for an event recorded after the survey instead of for the whole stream.
+
+        When the last assignment had no miss the survey looks for hits only (:meth:`_hit_survey`, about a
+        quarter of the full one's kernels); if it finds a miss, :meth:`finish_assign` issues the full survey
+        and waits for it too (one more sync, on that batch only)."""
         n = ids.numel()
         padded = _bucket(n)
 
-        def run(scalars: torch.Tensor, key: tuple[Hashable, ...], fixed: tuple[torch.Tensor, ...]) -> _Issued:
-            inputs = [_pad(tables, padded), _pad(ids, padded), scalars]
-            if checks is not None:
-                inputs.append(checks)
-            return self._surveys(key, inputs, fixed=fixed), None
+        def start(hits_only: bool) -> StartedAssign:
+            def run(
+                scalars: torch.Tensor, key: tuple[Hashable, ...], fixed: tuple[torch.Tensor, ...]
+            ) -> _Issued:
+                inputs = [_pad(tables, padded), _pad(ids, padded), scalars]
+                if checks is not None:
+                    inputs.append(checks)
+                calls: GraphedCalls[Survey] | GraphedCalls[HitSurvey]
+                calls = self._hit_surveys if hits_only else self._surveys
+                return calls(key, inputs, fixed=fixed), None
 
-        started = self._start(
-            n, (), 0 if checks is None else checks.numel(), tick, protect, verify, before_rows, deferred, run
-        )
-        return replace(started, checks=checks, fixed=self._graphed(self._surveys, started.key))
+            started = self._start(
+                n,
+                (),
+                0 if checks is None else checks.numel(),
+                tick,
+                protect,
+                verify,
+                before_rows,
+                deferred,
+                run,
+                hits_only=hits_only,
+            )
+            return replace(started, checks=checks, fixed=self._graphed(self._surveys, started.key))
+
+        return self._begin(start)
 
     def start_assign_from(
         self,
@@ -434,15 +506,45 @@ class DeviceCache:
         """:meth:`start_assign` of the lookups ``source`` expands inside the survey's graph (its checks read
         with the counts and handed to ``verify``); the result's ``extra`` is ``source``'s extra output."""
 
-        def run(scalars: torch.Tensor, key: tuple[Hashable, ...], fixed: tuple[torch.Tensor, ...]) -> _Issued:
-            survey, out = self._sourced(("from", source.key, *key), [scalars], fixed=(source.expand, *fixed))
-            return survey, out[: source.n].clone()  # the graph's tensor: rewritten by its next replay
+        def start(hits_only: bool) -> StartedAssign:
+            survey = self._hit_survey if hits_only else self._survey
 
-        started = self._start(
-            source.n, source.values, source.checks, tick, protect, verify, before_rows, deferred, run
-        )
-        key = None if started.key is None else ("from", source.key, *started.key)
-        return replace(started, key=key, fixed=self._graphed(self._sourced, key))
+            def run(
+                scalars: torch.Tensor, key: tuple[Hashable, ...], fixed: tuple[torch.Tensor, ...]
+            ) -> _Issued:
+                found, out = self._sourced(
+                    ("from", source.key, *key), [scalars], fixed=(survey, source.expand, *fixed)
+                )
+                return found, out[: source.n].clone()  # the graph's tensor: rewritten by its next replay
+
+            started = self._start(
+                source.n,
+                source.values,
+                source.checks,
+                tick,
+                protect,
+                verify,
+                before_rows,
+                deferred,
+                run,
+                hits_only=hits_only,
+            )
+            key = None if started.key is None else ("from", source.key, *started.key)
+            return replace(started, key=key, fixed=self._graphed(self._sourced, key))
+
+        return self._begin(start)
+
+    def _begin(self, start: Callable[[bool], StartedAssign]) -> StartedAssign:
+        """``start(hits_only)``: hits-only when the last assignment had no miss, with the full survey kept for
+        :meth:`finish_assign` to issue if it finds one."""
+        self.metrics.assigns += 1
+        if not self._expect_hits:
+            return start(False)
+        started = start(True)
+        if started.survey is None:  # an empty batch: nothing surveyed
+            return started
+        self.metrics.hit_surveys += 1
+        return replace(started, again=functools.partial(start, False))
 
     def _graphed(self, calls: GraphedCalls[Any], key: Hashable | None) -> bool:
         """Whether a survey's tensors are the same at every call of its key: a graph's (elsewhere than on CUDA
@@ -460,10 +562,11 @@ class DeviceCache:
         before_rows: Callable[[], None] | None,
         deferred: bool,
         run: Callable[[torch.Tensor, tuple[Hashable, ...], tuple[torch.Tensor, ...]], _Issued],
+        *,
+        hits_only: bool,
     ) -> StartedAssign:
         """The survey of ``n`` lookups, issued by ``run(scalars, key, fixed)``, which returns it and its source's
         extra output, if any (see :meth:`start_assign`)."""
-        self.metrics.assigns += 1
         if n == 0:
             return StartedAssign(
                 n=0,
@@ -488,7 +591,7 @@ class DeviceCache:
         scalars = self._staging.get(f"scalars{len(values)}", 1, 2 + len(values), torch.int64)
         # The victim choice's bound, the padding's negative count, then the source's values.
         scalars.numpy()[0] = (protect, n - padded, *values)
-        key = (padded, columns, host_read.shape[1], self._generation)
+        key = (padded, columns, host_read.shape[1], self._generation, hits_only)
         moved = self._staging.copy_up(f"scalars{len(values)}", scalars, self.device)
         survey, extra = run(moved, key, (host_missing, host_read))
         done = None
@@ -543,11 +646,16 @@ class DeviceCache:
             # host sync: the only one before the rows move
             torch.cuda.current_stream(self.device).synchronize()
         values = [int(c) for c in host_read[0].tolist()]
-        u_tables, u_ids, counts, inverse = survey.tables, survey.ids, survey.counts, survey.inverse[:n]
-        slots, touched = survey.slots, survey.touched
+        counts, inverse, slots, touched = survey.counts, survey.inverse[:n], survey.slots, survey.touched
         u, m, overflow, free = values[:4]
         if verify is not None:
             verify(values[_COUNTS:])
+        if m and started.again is not None:
+            # The hits-only survey found a miss: the full survey, and the rest as after it alone.
+            self._expect_hits = False
+            self.metrics.resurveys += 1
+            return self.finish_assign(started.again())
+        self._expect_hits = not m
         # The indexes' entries as the survey saw them (rebuilt here, between batches, when crowded).
         if isinstance(self._index, HashSlotIndex):
             self._index.rebuild_if_crowded(values[6], self.valid)
@@ -557,6 +665,8 @@ class DeviceCache:
         self.stamp.index_fill_(0, touched, tick)
         self.uses.index_copy_(0, touched, self.uses.index_select(0, touched) + counts)
         if m:
+            assert isinstance(survey, Survey)  # a hits-only survey that found misses was surveyed again
+            u_tables, u_ids = survey.tables, survey.ids
             self.metrics.assigns_with_misses += 1
             found, dram_free = values[4], values[5]
             if dram is not None and self._steady(started.fixed, dram, m, overflow, found, dram_free):
@@ -633,13 +743,15 @@ class DeviceCache:
     def _sourced_survey(
         self,
         scalars: torch.Tensor,
+        survey: Callable[..., HitSurvey],
         expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
         host_missing: torch.Tensor,
         host_read: torch.Tensor,
-    ) -> tuple[Survey, torch.Tensor]:
-        """:meth:`_survey` of the lookups a :class:`LookupSource`'s ``expand`` builds (capturable)."""
+    ) -> tuple[HitSurvey, torch.Tensor]:
+        """``survey`` (:meth:`_survey` or :meth:`_hit_survey`) of the lookups a :class:`LookupSource`'s
+        ``expand`` builds (capturable)."""
         tables, ids, checks, extra = expand(scalars)
-        return self._survey(tables, ids, scalars, checks, host_missing, host_read), extra
+        return survey(tables, ids, scalars, checks, host_missing, host_read), extra
 
     def _survey(
         self,
@@ -690,15 +802,10 @@ class DeviceCache:
             counted += [(below >= 0).sum(), dram_free]
         else:
             counted += [unique * 0, unique * 0]
-        index_entries = self._index.entries if isinstance(self._index, HashSlotIndex) else unique * 0
-        dram_entries = self.lower.index_entries() if isinstance(self.lower, DramTier) else None
-        counted += [index_entries, unique * 0 if dram_entries is None else dram_entries]
-        cuda = device.type == "cuda"
-        host_missing.copy_(torch.stack(columns, 1).index_select(0, at[:n]), non_blocking=cuda)
-        read = torch.stack(counted)
-        if checks:
-            read = torch.cat([read, checks[0]])
-        host_read.copy_(read[None], non_blocking=cuda)
+        host_missing.copy_(
+            torch.stack(columns, 1).index_select(0, at[:n]), non_blocking=device.type == "cuda"
+        )
+        self._copy_counts(counted, checks, host_read)
         return Survey(
             tables=u_tables,
             ids=u_ids,
@@ -713,6 +820,45 @@ class DeviceCache:
             at=at,
             below=below,
         )
+
+    def _hit_survey(
+        self,
+        tables: torch.Tensor,
+        ids: torch.Tensor,
+        scalars: torch.Tensor,
+        *rest: torch.Tensor,
+    ) -> HitSurvey:
+        """:meth:`_survey` for a batch expected to hit everywhere (the last one did): each lookup's slot from the
+        index, the batch's distinct slots by one int32 sort of them (so its pairs come in slot order), and the
+        counts (the misses counted, nothing chosen for them; the missing keys' buffer left as it is).
+        Capturable, as :meth:`_survey`; its result serves an assignment only when it counted no miss."""
+        *checks, _, host_read = rest
+        n = ids.numel()
+        found = self.lookup(tables, ids)
+        # A miss's lookup takes the trash slot here (its survey is discarded: finish_assign surveys again).
+        slots, counts, inverse, unique, order, pairs = _unique_slots(
+            torch.where(found >= 0, found, self.trash)
+        )
+        counts.index_add_(0, inverse[:1], scalars[0, 1:2])  # the padding's repeats of the first lookup
+        touched = torch.where(torch.arange(n, device=self.device) < unique, slots, self.trash)
+        zero = unique * 0
+        self._copy_counts([unique, (found < 0).sum(), zero, zero, zero, zero], checks, host_read)
+        return HitSurvey(
+            counts=counts, inverse=inverse, order=order, pairs=pairs, slots=slots, touched=touched
+        )
+
+    def _copy_counts(
+        self, counted: list[torch.Tensor], checks: list[torch.Tensor], host_read: torch.Tensor
+    ) -> None:
+        """The survey's first six counts (0-dim), the entries of the indexes here and of the DRAM tier's, then
+        the checks (``[K]``, if any), copied into ``host_read`` (``[1, _COUNTS + K]``, pinned) in one copy."""
+        zero = counted[0] * 0
+        index_entries = self._index.entries if isinstance(self._index, HashSlotIndex) else zero
+        dram_entries = self.lower.index_entries() if isinstance(self.lower, DramTier) else None
+        read = torch.stack([*counted, index_entries, zero if dram_entries is None else dram_entries])
+        if checks:
+            read = torch.cat([read, checks[0]])
+        host_read.copy_(read[None], non_blocking=self.device.type == "cuda")
 
     def _priorities(self, start: int, stop: int, protect: int | torch.Tensor) -> torch.Tensor:
         """Victim priority of slots ``[start, stop)`` (lowest first): -1 free, else (uses, last-use tick) as one
@@ -1121,9 +1267,10 @@ class DeviceCache:
         out["hbm_hit_rate"] = m.hits / m.lookups if m.lookups else 0.0
         out["hbm_slots"] = float(self.slots)
         out["hbm_scratch_slots"] = float(self.slots - self.region_size)
-        # Both kinds of survey graph: of tables and ids (start_assign) and of a LookupSource (start_assign_from).
-        out["hbm_survey_graph_replays"] = float(self._surveys.replays + self._sourced.replays)
-        out["hbm_survey_graph_captures"] = float(self._surveys.captures + self._sourced.captures)
+        # Every kind of survey graph: full or hits-only, of tables and ids (start_assign) or of a LookupSource.
+        surveys = (self._surveys, self._hit_surveys, self._sourced)
+        out["hbm_survey_graph_replays"] = float(sum(calls.replays for calls in surveys))
+        out["hbm_survey_graph_captures"] = float(sum(calls.captures for calls in surveys))
         out["hbm_move_graph_replays"] = float(self._moves.replays)
         out["hbm_cached_rows"] = float(self.cached_rows())
         out.update(self.lower.summary())
