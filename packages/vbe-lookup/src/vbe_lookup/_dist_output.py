@@ -64,7 +64,8 @@ class _OutputDistBase:
                 f"rank {self.rank}: the lookup returned {lookup_out.numel()} elements but the distributed "
                 f"batch needs {sum(in_splits)} ({in_splits} per source rank)"
             )
-        return self.comm.all_to_all_autograd(lookup_out.reshape(-1), out_splits, in_splits, what, anchor)
+        flat = lookup_out if lookup_out.dim() == 1 else lookup_out.reshape(-1)  # no view node when 1-D
+        return self.comm.all_to_all_autograd(flat, out_splits, in_splits, what, anchor)
 
 
 class PooledOutputDist(_OutputDistBase):
@@ -201,10 +202,13 @@ class SequenceOutputDist(_OutputDistBase):
         elems = sent_counts * self._seg_dim
         send_start = torch.cumsum(sent_counts, 0) - sent_counts
         recv_start = torch.cumsum(elems, 0) - elems
-        s = src.sorted_segment
+        s, inverse_perm = src.sorted_segment, src.inverse_perm
+        # A sequence module's input dist keeps the ids' order.
+        assert s is not None
+        assert inverse_perm is not None
         q = torch.arange(s.numel(), device=dev)
         base = recv_start[s] + (q - send_start[s]) * self._seg_dim[s]  # [N] element offset of each sent id
-        base = base[src.inverse_perm]  # original id order (input key → sample → id)
+        base = base[inverse_perm]  # original id order (input key → sample → id)
 
         out: list[Tensor] = [recv] * len(self.layout.features)  # every entry is replaced below
         start = 0

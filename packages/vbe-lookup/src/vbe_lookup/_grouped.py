@@ -388,6 +388,12 @@ class GroupedVBELookup(nn.Module):
         self.fbgemm_paths: tuple[str | None, ...] = tuple(paths)
         """Per group: ``"direct"``, ``"module: <why>"`` for an fbgemm TBE, ``None`` for other kernels."""
         self._layouts: OrderedDict[tuple[Any, ...], _Layout] = OrderedDict()
+        # The last layout with the very key and stride tuples it was asked for: a producer that keeps its
+        # tuples per layout (the sharded input dist, ``VBEFeatures.to``) finds it without hashing them.
+        self._last: tuple[tuple[str, ...], tuple[tuple[int, ...], ...], torch.device, _Layout] | None = None
+        # Inputs whose ids, lengths and offsets the caller has checked (a sharded module's input dist): an
+        # fbgemm TBE may then get the features' own offsets (its bounds check has nothing to repair).
+        self._trusted_inputs = False
 
     # ------------------------------------------------------------------ layout
     @eager_only  # host-side metadata, cached per layout
@@ -409,15 +415,19 @@ class GroupedVBELookup(nn.Module):
     def _layout(
         self, keys: tuple[str, ...], stride: tuple[tuple[int, ...], ...], device: torch.device
     ) -> _Layout:
+        last = self._last
+        if last is not None and last[0] is keys and last[1] is stride and last[2] == device:
+            return last[3]
         key = (keys, stride, device)
         layout = self._layouts.get(key)
         if layout is not None:
             self._layouts.move_to_end(key)
-            return layout
-        layout = self._build_layout(keys, stride, device)
-        self._layouts[key] = layout
-        if len(self._layouts) > _MAX_CACHED_LAYOUTS:
-            self._layouts.popitem(last=False)
+        else:
+            layout = self._build_layout(keys, stride, device)
+            self._layouts[key] = layout
+            if len(self._layouts) > _MAX_CACHED_LAYOUTS:
+                self._layouts.popitem(last=False)
+        self._last = (keys, stride, device, layout)
         return layout
 
     def _build_layout(
@@ -604,7 +614,8 @@ class GroupedVBELookup(nn.Module):
                 layout, keys, values, lengths, offsets, counts, offsets_from_lengths, deferred=not checked
             )
 
-        inputs = self._split_inputs(layout, values, lengths, offsets, weights, counts, trusted=checked)
+        trusted = checked or (self._trusted_inputs and offsets_from_lengths)
+        inputs = self._split_inputs(layout, values, lengths, offsets, weights, counts, trusted=trusted)
         out_values = self._run_kernels(layout, inputs, device)
         return VBEOutput(
             out_values,
@@ -780,7 +791,7 @@ class GroupedVBELookup(nn.Module):
                 return torch.zeros(layout.total, dtype=dtype, device=device)
             y = self._call(0, layout.groups[0], item)
             self._count_iterations(inputs)
-            return y.reshape(-1).to(dtype)
+            return (y if y.dim() == 1 else y.reshape(-1)).to(dtype)  # no view node for a 1-D output
         if self.merge == "legacy":
             return self._legacy_merge(layout, inputs, device)
         out = torch.empty(layout.total, dtype=dtype, device=device)
