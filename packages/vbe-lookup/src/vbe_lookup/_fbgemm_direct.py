@@ -35,7 +35,7 @@ import torch
 
 from vbe_lookup import _fbgemm
 
-__all__ = ["DirectTBE", "LayoutArgs", "direct_tbe"]
+__all__ = ["PLAIN_LAYOUT", "DirectTBE", "LayoutArgs", "direct_tbe"]
 
 # fbgemm's OptimType name -> (op name, whether the op takes row-wise Adagrad's momentum and optim args).
 _OPS: dict[str, tuple[str, bool]] = {
@@ -122,6 +122,18 @@ class LayoutArgs:
     granule: int = 1
 
 
+PLAIN_LAYOUT = LayoutArgs(
+    max_B=-1,
+    max_B_feature_rank=-1,
+    output_size=-1,
+    B_offsets=None,
+    output_offsets_feature_rank=None,
+    B_offsets_rank_per_feature=None,
+    vbe_output_offsets=None,
+)
+"""A call without VBE (every feature ``B`` samples): the op's ``[B, total_D]`` output, as fbgemm's module's."""
+
+
 def _schema_names(op: Any) -> set[str] | None:
     try:
         return {a.name for a in op.default._schema.arguments}
@@ -165,6 +177,7 @@ class DirectTBE:
         "_keywords",
         "_read_cpu",
         "_read_dev",
+        "_read_host",
         "_read_plain",
         "_schema_order",
         "kernel",
@@ -196,6 +209,7 @@ class DirectTBE:
         # `set_learning_rate` keep working) but each from the dictionary that holds it, found once.
         momentum_cpu = _MOMENTUM_CPU if rowwise else ()
         momentum_dev = _MOMENTUM_DEV if rowwise else ()
+        self._read_host = _reader(kernel, ("weights_host",))  # decides which of the next two a call reads
         self._read_cpu = _reader(kernel, _ROWS_CPU + momentum_cpu)
         self._read_dev = _reader(kernel, _ROWS_DEV + momentum_dev)
         self._read_plain = _reader(kernel, _PLAIN)
@@ -303,8 +317,9 @@ class DirectTBE:
             learning_rate_tensor,
             args,
         ) = self._read_plain()
-        state_tensors = self._read_cpu()
-        if state_tensors[0].numel() > 0:  # rows in host memory (fbgemm-gpu-cpu)
+        (weights_host,) = self._read_host()
+        if weights_host.numel() > 0:  # rows in host memory (fbgemm-gpu-cpu)
+            state_tensors = self._read_cpu()
             rows = list(state_tensors[:3])
             momentum = list(state_tensors[3:])
         else:

@@ -19,7 +19,7 @@ from torch import nn
 
 from vbe_lookup import _fbgemm
 from vbe_lookup._compat import eager_only
-from vbe_lookup._fbgemm_direct import DirectTBE, LayoutArgs, direct_tbe
+from vbe_lookup._fbgemm_direct import PLAIN_LAYOUT, DirectTBE, LayoutArgs, direct_tbe
 from vbe_lookup._features import (
     VBEFeatures,
     check_length_per_key,
@@ -386,6 +386,12 @@ class GroupedVBELookup(nn.Module):
                 if call is None and _fbgemm.is_fbgemm_tbe(group.kernel):
                     _fbgemm.install_vbe_metadata_cache(group.kernel)
         self.fbgemm_paths: tuple[str | None, ...] = tuple(paths)
+        # Kernels whose call without VBE is known to give ``[B, sum(dims)]`` (fbgemm's op, called directly, and
+        # TorchEmbeddingKernel): then `_batch_major` serves batches of one rank and one batch size.
+        self._plain_calls = merge == "preallocated" and all(
+            call is not None or type(group.kernel) is TorchEmbeddingKernel
+            for group, call in zip(groups, direct, strict=True)
+        )
         """Per group: ``"direct"``, ``"module: <why>"`` for an fbgemm TBE, ``None`` for other kernels."""
         self._layouts: OrderedDict[tuple[Any, ...], _Layout] = OrderedDict()
         # The last layout with the very key and stride tuples it was asked for: a producer that keeps its
@@ -574,6 +580,51 @@ class GroupedVBELookup(nn.Module):
             IndexOutOfRangeError: an id outside its table (when ``check_indices`` checks now).
             ConfigurationError: per-id weights for an fbgemm-gpu-cpu TBE whose weighted mean is wrong.
         """
+        layout, inputs, device = self._accept(features)
+        out_values = self._run_kernels(layout, inputs, device)
+        return VBEOutput(
+            out_values,
+            layout.offsets,
+            layout.keys,
+            layout.dims,
+            layout.batch_sizes,
+            layout.offsets_host,
+            layout.size_per_rank,
+        )
+
+    def _batch_major(self, features: VBEFeatures) -> torch.Tensor | None:
+        """``[B, sum(dims)]`` pooled embeddings, columns in :meth:`forward`'s key order, of features from one
+        rank with the same batch size ``B > 0`` for every key (a sharded module's own batch on a group of one),
+        or ``None`` when that does not apply (``forward`` then serves). Every kernel is called without VBE:
+        its ``[B, sum(its dims)]`` output is a block of columns, so no rank → feature → sample output is built
+        only for its owner to put it back in sample order. The same checks as ``forward``."""
+        stride = features._stride
+        if (
+            not self._plain_calls
+            or not stride
+            or len(stride[0]) != 1
+            or stride[0][0] == 0
+            or stride.count(stride[0]) != len(stride)  # rows compared in C: no loop per feature
+        ):
+            return None
+        _, inputs, _ = self._accept(features)
+        outs: list[torch.Tensor] = []
+        for g_i, item in enumerate(inputs):
+            assert item is not None  # every group has B > 0 bags of each of its features
+            indices, offsets, weights = item
+            direct = self._direct[g_i]
+            if direct is not None:
+                y = direct(PLAIN_LAYOUT, indices, offsets, weights)
+            else:
+                y = self.groups[g_i].kernel(indices, offsets, per_sample_weights=weights)
+            outs.append(y.to(self.output_dtype))
+        self._count_iterations(inputs)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _accept(
+        self, features: KeyedJaggedTensorLike
+    ) -> tuple[_Layout, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None], torch.device]:
+        """The checks of :meth:`forward`, its layout, and each group's ``(indices, offsets, weights)``."""
         counts: Sequence[int] | None
         if isinstance(features, VBEFeatures):
             # Immutable and checked at construction: no per-step copies or checks.
@@ -616,16 +667,7 @@ class GroupedVBELookup(nn.Module):
 
         trusted = checked or (self._trusted_inputs and offsets_from_lengths)
         inputs = self._split_inputs(layout, values, lengths, offsets, weights, counts, trusted=trusted)
-        out_values = self._run_kernels(layout, inputs, device)
-        return VBEOutput(
-            out_values,
-            layout.offsets,
-            layout.keys,
-            layout.dims,
-            layout.batch_sizes,
-            layout.offsets_host,
-            layout.size_per_rank,
-        )
+        return layout, inputs, device
 
     @eager_only  # one host sync (or module state, when deferred) by design; never part of a graph
     def _check_contents(

@@ -429,6 +429,10 @@ class _ShardedModule(nn.Module):
             out = torch.zeros(0, dtype=self.output_dtype, device=self.device)
         else:
             out = self.lookup(features).values()
+        return self._tie(out, features, anchor)
+
+    @staticmethod
+    def _tie(out: Tensor, features: VBEFeatures, anchor: Tensor | None) -> Tensor:
         weights = features.weights_or_none()
         if anchor is not None and weights is not None and weights.requires_grad:
             # Every rank must run the backward of the weights all-to-all; tie the weights to the output.
@@ -656,8 +660,17 @@ class ShardedEmbeddingBags(_ShardedModule):
         """
         dist_features = self._next_input(features)
         anchor = self._anchor()
-        out = self._lookup(dist_features.features, anchor)
-        values = self._output_dist(out, dist_features, anchor)
+        block = None
+        if self._comm.alone and self.lookup is not None:
+            # A group of one's own batch (every key B samples): the lookup's [B, sum(dims)] block is the output
+            # up to the columns' order, so nothing is built in rank → feature → sample order.
+            block = self.lookup._batch_major(dist_features.features)
+        if block is not None:
+            block = self._tie(block, dist_features.features, anchor)
+            values = self._output_dist.from_batch_major(block, dist_features, anchor)
+        else:
+            out = self._lookup(dist_features.features, anchor)
+            values = self._output_dist(out, dist_features, anchor)
         if self._pooled_layout is None:  # the keys and dims of every output, built once
             self._pooled_layout = PooledEmbeddings(
                 self.layout.features, self._output_dist.feature_dims, values.new_empty(0)
