@@ -963,7 +963,12 @@ class InputDist:
             raise InvalidFeaturesError(
                 f"`weights` must be a float tensor shaped like `values` {tuple(values.shape)}, got {_describe(weights)}"
             )
-        return keys, values.to(torch.int64), lengths.to(torch.int64), weights, batch
+        # `.to` only where it converts: a no-op `.to` still costs its argument parsing.
+        if values.dtype != torch.int64:
+            values = values.to(torch.int64)
+        if lengths.dtype != torch.int64:
+            lengths = lengths.to(torch.int64)
+        return keys, values, lengths, weights, batch
 
     def _check_keys(self, keys: tuple[str, ...]) -> None:
         """Every key is served, none is missing, none repeats: O(F) set and dict work."""

@@ -617,7 +617,7 @@ class GroupedVBELookup(nn.Module):
                 y = direct(PLAIN_LAYOUT, indices, offsets, weights)
             else:
                 y = self.groups[g_i].kernel(indices, offsets, per_sample_weights=weights)
-            outs.append(y.to(self.output_dtype))
+            outs.append(y if y.dtype == self.output_dtype else y.to(self.output_dtype))
         self._count_iterations(inputs)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 

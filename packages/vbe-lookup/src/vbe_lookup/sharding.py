@@ -661,10 +661,11 @@ class ShardedEmbeddingBags(_ShardedModule):
         dist_features = self._next_input(features)
         anchor = self._anchor()
         block = None
-        if self._comm.alone and self.lookup is not None:
+        lookup = self.lookup  # a submodule: read once (nn.Module's attribute fallback)
+        if self._comm.alone and lookup is not None:
             # A group of one's own batch (every key B samples): the lookup's [B, sum(dims)] block is the output
             # up to the columns' order, so nothing is built in rank → feature → sample order.
-            block = self.lookup._batch_major(dist_features.features)
+            block = lookup._batch_major(dist_features.features)
         if block is not None:
             block = self._tie(block, dist_features.features, anchor)
             values = self._output_dist.from_batch_major(block, dist_features, anchor)
