@@ -312,3 +312,66 @@ def test_sharded_step_has_one_host_sync() -> None:
             torch.testing.assert_close(out.detach(), expected, atol=1e-5, rtol=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+@needs_fbgemm
+def test_sharded_fbgemm_batch_major_equals_collective_path() -> None:
+    """One NCCL rank with fbgemm TBEs (direct op): the lookup called without VBE (each kernel's ``[B, sum(dims)]``
+    block, slots not in feature order) equals the full collective path (VBE lookup, NCCL all-to-alls on the
+    same 1-rank group), outputs and tables after row-wise Adagrad steps with per-id weights."""
+    _dist_harness.require_no_process_group()
+    port = _dist_harness.free_port()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        tables = [
+            TableConfig(name="a", num_embeddings=100, embedding_dim=16, feature_names=("a0", "a1")),
+            TableConfig(name="b", num_embeddings=80, embedding_dim=32, feature_names=("b0",), pooling="mean"),
+            TableConfig(name="c", num_embeddings=60, embedding_dim=16, feature_names=("c0",)),
+        ]
+        # Groups "y" (a, c) then "x" (b): the slots are a0 a1 c0 b0, not the feature order a0 a1 b0 c0.
+        plan = ShardingPlan(
+            world_size=1,
+            placements={
+                "a": TableWise(rank=0, group="y"),
+                "b": RowWise(group="x"),
+                "c": TableWise(rank=0, group="y"),
+            },
+        )
+
+        def factory(spec: Any) -> Any:
+            return _fbgemm.new_tbe(
+                list(spec.num_embeddings),
+                list(spec.embedding_dims),
+                feature_table_map=list(spec.feature_table_map),
+                optimizer="rowwise_adagrad",
+                learning_rate=0.05,
+                device=spec.device,
+            )
+
+        fast, full = (
+            ShardedEmbeddingBags(tables, plan, kernel_factory=factory, device="cuda") for _ in range(2)
+        )
+        full.load_state_dict(fast.state_dict())
+        full._comm._alone = False
+        assert fast.lookup is not None
+        assert fast.lookup._plain_calls
+        assert fast._output_dist._alone_columns is not None
+        for seed in range(3):
+            features = _sharded_features(seed, 8, tables)
+            outs = [module(features).values() for module in (fast, full)]
+            torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+            grad = torch.randn(outs[0].shape, generator=torch.Generator().manual_seed(seed)).cuda()
+            for out in outs:
+                torch.autograd.backward(out, grad)
+        for (name, a), (_, b) in zip(fast.state_dict().items(), full.state_dict().items(), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+    finally:
+        dist.destroy_process_group()

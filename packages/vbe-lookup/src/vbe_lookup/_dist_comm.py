@@ -165,6 +165,8 @@ class Communicator:
         Returns:
             What was owed (``"backward of pooled output dist"``, ...), oldest first; empty if nothing.
         """
+        if not self._skipped:
+            return []
         owed, self._skipped = sorted(self._skipped, key=lambda r: -r.order), []
         for record in owed:
             zeros = torch.zeros(record.grad_shape, dtype=record.dtype, device=self.device)

@@ -22,7 +22,6 @@ Phases (all collectives through :class:`~vbe_lookup._dist_comm.Communicator`, wi
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,8 +57,11 @@ class SourceContext:
         keys: The input's feature names, in the input's order.
         key_index: ``[F_in]`` int64: global feature index of each input key (device).
         lengths: ``[F_in * B]`` int64 local bag lengths, input key → sample (device).
-        inverse_perm: ``[N]`` int64: position in the send buffer of each original id (device).
-        sorted_segment: ``[N]`` int64: ``rank * S_max + slot`` of each id in send order (device).
+        inverse_perm: ``[N]`` int64: position in the send buffer of each original id (device); ``None`` on
+            a group of one whose module does not ask for the ids' order (pooled) and whose input is in
+            slot order (then it would be ``arange(N)``).
+        sorted_segment: ``[N]`` int64: ``rank * S_max + slot`` of each id in send order (device); ``None``
+            when the module does not ask for the ids' order on a group of one (pooled).
         sent: ``[W][S_d]`` host ids sent to each rank for each of its slots.
         ids_per_feature: ``[F_global]`` host number of local ids per global feature.
         sent_counts: ``[W * S_max]`` int64 ids sent per padded segment ``rank * S_max + slot`` (device).
@@ -69,8 +71,8 @@ class SourceContext:
     keys: tuple[str, ...]
     key_index: Tensor
     lengths: Tensor
-    inverse_perm: Tensor
-    sorted_segment: Tensor
+    inverse_perm: Tensor | None
+    sorted_segment: Tensor | None
     sent: tuple[tuple[int, ...], ...]
     ids_per_feature: tuple[int, ...]
     sent_counts: Tensor
@@ -133,7 +135,7 @@ class DistributedFeatures:
             self.source.inverse_perm,
             self.source.sorted_segment,
         ):
-            if t.is_cuda:
+            if t is not None and t.is_cuda:
                 t.record_stream(stream)
 
 
@@ -168,28 +170,50 @@ class InputDistHandle:
 
 @dataclass(slots=True, kw_only=True, eq=False)
 class PendingRead:
-    """The checks' status and the ids per input key of a group of one, on their way to the host.
+    """The checks' terms and the ids per input key of a group of one, on their way to the host.
 
     Attributes:
-        flat: ``[1 + F_in]`` int64 status, then ids per input key: pinned host memory being filled by a
-            non-blocking copy (CUDA), or the CPU tensor itself.
+        flat: ``[F_in + 3]`` int64: ids per input key, then the smallest length, the smallest id and the
+            id range term (see ``id_limit``): pinned host memory being filled by a non-blocking copy (CUDA),
+            or the CPU tensor itself. The last three are 0 where there is no length or no id.
         ready: The event recorded after that copy (``None`` on CPU).
         values: The local ids (for the error report).
         lengths: The local lengths (for the error report).
+        num_ids: ``N``, the number of local ids (the lengths must sum to it).
+        id_limit: Every id is in its table's range when it is non-negative and the range term is below this:
+            the rows of every key's table with the largest id as the term (every key's table has as many
+            rows), or 0 with the largest ``id - rows of its key's table`` as the term.
+        layout: The group of one's view of this input key order.
     """
 
     flat: Tensor
     ready: torch.cuda.Event | None
     values: Tensor
     lengths: Tensor
+    num_ids: int
+    id_limit: int
+    layout: _AloneLayout
+
+    def status(self, host: list[int]) -> int:
+        """The input's status (``_OK``, ``_BAD_LENGTHS`` or ``_BAD_IDS``) from ``flat`` read to the host."""
+        num_in = len(host) - 3
+        lengths_min, ids_min, id_term = host[num_in:]
+        if lengths_min < 0 or sum(host[:num_in]) != self.num_ids:
+            return _BAD_LENGTHS
+        if self.num_ids and (ids_min < 0 or id_term >= self.id_limit):
+            return _BAD_IDS
+        return _OK
 
 
 class InputDist:
     """The input all-to-all of one sharded module (metadata cached on the device at construction)."""
 
-    def __init__(self, layout: ShardingLayout, comm: Communicator) -> None:
+    def __init__(self, layout: ShardingLayout, comm: Communicator, *, id_order: bool = True) -> None:
         self.layout = layout
         self.comm = comm
+        # Whether the output dist reads each id's place in the send order (``SourceContext.inverse_perm`` and
+        # ``sorted_segment``: a sequence output does, a pooled one does not); a group of one skips them if not.
+        self.id_order = id_order
         self.world = layout.world_size
         self.rank = comm.rank
         self.slot_counts = [len(r.slots) for r in layout.ranks]
@@ -249,6 +273,7 @@ class InputDist:
         self._recv_len_cache: dict[tuple[int, ...], Tensor] = {}
         self._stride_cache: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}
         self._alone_cache: dict[tuple[str, ...], _AloneLayout] = {}
+        self._batch_cache: dict[int, Tensor] = {}
         # Every table in one shard (table-wise, or a group of one): ids bucketize by key, without a sort.
         self._table_wise = all(len(shards) == 1 and shards[0].row_start == 0 for shards in layout.shards)
         self._table_wise_cache: dict[tuple[str, ...], _TableWiseLayout] = {}
@@ -700,37 +725,50 @@ class InputDist:
         batch: int,
     ) -> InputDistHandle:
         """``start`` on a group of one: every id stays here, in its own shard (row 0 on), so there is
-        nothing to bucketize. The same checks and status codes as the header, and (for an input key order
-        other than the slot order) one scatter that puts the features in slot order, the order inside a
-        bag kept as the stable sort keeps it. All of it is device work of fixed shapes that bad input
-        cannot push out of bounds; the host read of the status and of the ids per key (the step's one
-        sync) is only issued here (into pinned memory, with an event) and made by :meth:`wait`, so that a
-        pipeline's start never blocks the host."""
+        nothing to bucketize. The checks are a few reductions whose results join the ids per key in the
+        step's one host read (lengths: the smallest one and their sum; ids: the smallest one and the largest
+        one, or the largest excess over its key's table when the tables differ in rows), judged on the host
+        with the same status codes as the header. For an input key order other than the slot order, one
+        scatter puts the features in slot order, the order inside a bag kept as the stable sort keeps it.
+        All of it is device work of fixed shapes that bad input cannot push out of bounds; the host read
+        (the step's one sync) is only issued here (into pinned memory, with an event) and made by
+        :meth:`wait`, so that a pipeline's start never blocks the host."""
         dev = self.comm.device
         n = values.numel()
         num_in = len(keys)
         bags = num_in * batch
         key_index = self._key_index(keys)
         alone = self._alone_layout(keys)
-        rows, order, slot_of_key = alone.rows, alone.order, alone.slot_of_key
+        order, slot_of_key = alone.order, alone.slot_of_key
         per_key = (
             lengths.view(num_in, batch).sum(1)
             if batch
             else torch.zeros(num_in, dtype=torch.int64, device=dev)
         )
-        positions = torch.arange(n, device=dev)
-        if n:
-            ends = torch.cumsum(lengths, 0)
-            bag = torch.searchsorted(ends, positions, right=True).clamp_(max=max(bags - 1, 0))
-            kpos = torch.div(bag, max(batch, 1), rounding_mode="floor")
-            bad_ids = ((values < 0) | (values >= rows[kpos])).any()
-            bad_lengths = (ends[-1] != n) if bags else torch.ones((), dtype=torch.bool, device=dev)
-        else:
+        # Each id's input key: for the gather into slot order, for the ids' order a sequence output reads, and
+        # for the id range check when the keys' tables differ in rows. Clamped: bad lengths stay in bounds.
+        positions: Tensor | None = None
+        kpos: Tensor | None = None
+        key_ends: Tensor | None = None
+        if order is not None or self.id_order or (n and alone.same_rows is None):
+            positions = torch.arange(n, device=dev)
             kpos = positions
-            bad_ids = torch.zeros((), dtype=torch.bool, device=dev)
-            bad_lengths = per_key.sum() != 0
-        status = _status(bad_lengths | (lengths < 0).any(), bad_ids)
-        flat = torch.cat([status.view(1), per_key])
+            if n:
+                key_ends = torch.cumsum(per_key, 0)
+                kpos = torch.searchsorted(key_ends, positions, right=True).clamp_(max=max(num_in - 1, 0))
+        tail: list[Tensor] = [per_key]
+        tail.append(lengths.amin(0, keepdim=True) if bags else per_key.new_zeros(1))
+        id_limit = 0
+        if not n:
+            tail.append(per_key.new_zeros(2))
+        elif alone.same_rows is not None:
+            tail.extend(torch.aminmax(values, dim=0, keepdim=True))
+            id_limit = alone.same_rows
+        else:
+            assert kpos is not None  # computed above whenever the tables differ in rows
+            tail.append(values.amin(0, keepdim=True))
+            tail.append((values - alone.rows[kpos]).amax(0, keepdim=True))
+        flat = torch.cat(tail)
         ready: torch.cuda.Event | None = None
         if flat.is_cuda:
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
@@ -740,22 +778,31 @@ class InputDist:
             flat = host
 
         counts = per_key if order is None else per_key[order]  # [S] ids per slot (device)
+        inverse_perm = sorted_segment = None
         if order is None:  # the input is in slot order already
             send_values, send_lengths, send_weights = values, lengths, weights
-            inverse_perm, sorted_segment = positions, kpos
+            if self.id_order:
+                inverse_perm, sorted_segment = positions, kpos
         else:
+            # Both computed above for a key order to gather.
+            assert positions is not None
+            assert kpos is not None
             # Each id's place in slot order; clamped, so that bad lengths (reported by wait) stay in bounds.
-            src_start = torch.cumsum(per_key, 0) - per_key
+            src_start = (key_ends if key_ends is not None else torch.cumsum(per_key, 0)) - per_key
             dst_start = (torch.cumsum(counts, 0) - counts)[slot_of_key]
-            inverse_perm = (dst_start[kpos] + positions - src_start[kpos]).clamp_(0, max(n - 1, 0))
+            inverse_perm = ((dst_start - src_start)[kpos] + positions).clamp_(0, max(n - 1, 0))
             send_values = torch.empty_like(values).scatter_(0, inverse_perm, values)
             send_weights = (
                 None if weights is None else torch.empty_like(weights).scatter_(0, inverse_perm, weights)
             )
             send_lengths = lengths.view(num_in, batch)[order].reshape(-1) if batch else lengths
-            sorted_segment = torch.empty_like(kpos).scatter_(0, inverse_perm, slot_of_key[kpos])
-        sent_counts = torch.zeros(self.s_max, dtype=torch.int64, device=dev)
-        sent_counts[: counts.numel()] = counts
+            if self.id_order:
+                sorted_segment = torch.empty_like(kpos).scatter_(0, inverse_perm, slot_of_key[kpos])
+        if counts.numel() == self.s_max:
+            sent_counts = counts
+        else:
+            sent_counts = torch.zeros(self.s_max, dtype=torch.int64, device=dev)
+            sent_counts[: counts.numel()] = counts
         if send_weights is not None:
             send_weights = send_weights.to(torch.float32)
         need_grad = weights is not None and weights.requires_grad and torch.is_grad_enabled()
@@ -783,12 +830,30 @@ class InputDist:
             received_per_rank=[n],
             received=(),
             received_counts=counts.view(1, -1),
-            received_batch=counts.new_full((1,), batch),
+            received_batch=self._batch_tensor(batch),
             ids_per_slot=(),
             batch_size_per_rank=(batch,),
             source=source,
-            pending_read=PendingRead(flat=flat, ready=ready, values=values, lengths=lengths),
+            pending_read=PendingRead(
+                flat=flat,
+                ready=ready,
+                values=values,
+                lengths=lengths,
+                num_ids=n,
+                id_limit=id_limit,
+                layout=alone,
+            ),
         )
+
+    def _batch_tensor(self, batch: int) -> Tensor:
+        """``[1]`` int64 ``batch`` on the device (cached per batch size: no fill kernel per step)."""
+        cached = self._batch_cache.get(batch)
+        if cached is None:
+            if len(self._batch_cache) >= _MAX_CACHE:
+                self._batch_cache.clear()
+            cached = torch.full((1,), batch, dtype=torch.int64, device=self.comm.device)
+            self._batch_cache[batch] = cached
+        return cached
 
     def _finish_alone(self, handle: InputDistHandle) -> None:
         """The host read ``_start_alone`` issued: raise for bad input, fill the handle's host counts."""
@@ -798,15 +863,24 @@ class InputDist:
             pending.ready.synchronize()  # the step's one host sync (long done when a forward ran since)
         flat = pending.flat.tolist()
         src = handle.source
-        if flat[0]:
+        status = pending.status(flat)
+        if status:
             batch = src.batch_size
-            self._report_bad_input([flat[0]], src.keys, pending.values, pending.lengths, batch, src.key_index)
-        alone = self._alone_layout(src.keys)
+            self._report_bad_input([status], src.keys, pending.values, pending.lengths, batch, src.key_index)
+        alone = pending.layout
         ids_per_slot = alone.ids_per_slot(flat)
         handle.received = (ids_per_slot,)
         handle.ids_per_slot = ids_per_slot
-        handle.source = dataclasses.replace(
-            src, sent=(ids_per_slot,), ids_per_feature=alone.ids_per_feature(flat)
+        handle.source = SourceContext(
+            batch_size=src.batch_size,
+            keys=src.keys,
+            key_index=src.key_index,
+            lengths=src.lengths,
+            inverse_perm=src.inverse_perm,
+            sorted_segment=src.sorted_segment,
+            sent=(ids_per_slot,),
+            ids_per_feature=alone.ids_per_feature(flat),
+            sent_counts=src.sent_counts,
         )
         handle.pending_read = None
 
@@ -826,11 +900,12 @@ class InputDist:
             dev = self.comm.device
             cached = _AloneLayout(
                 rows=_on(rows, dev),
+                same_rows=rows[0] if rows and rows.count(rows[0]) == len(rows) else None,
                 order=None if slot_keys == list(range(len(keys))) else _on(slot_keys, dev),
                 slot_of_key=_on(slot_of_key, dev),
-                # The host read is [status, ids of input key 0, 1, ...]; every feature is there (checked).
-                ids_per_slot=_picker([1 + i for i in slot_keys]),
-                ids_per_feature=_picker([1 + where[f] for f in layout.features]),
+                # The host read starts with the ids of input key 0, 1, ...; every feature is there (checked).
+                ids_per_slot=_picker(slot_keys),
+                ids_per_feature=_picker([where[f] for f in layout.features]),
             )
             self._alone_cache[keys] = cached
         return cached
@@ -839,10 +914,14 @@ class InputDist:
     def _check(self, features: Any) -> tuple[tuple[str, ...], Tensor, Tensor, Tensor | None, int]:
         """Host-side checks of the local batch; returns keys, int64 values, int64 lengths, weights, B."""
         try:
-            keys = tuple(features.keys())
-            values = features.values()
-            lengths = features.lengths()
-            weights = features.weights_or_none()
+            if isinstance(features, VBEFeatures):  # its own tuples and tensors: no list copies
+                keys, values, lengths = features._keys, features._values, features._lengths
+                weights = features._weights
+            else:
+                keys = tuple(features.keys())
+                values = features.values()
+                lengths = features.lengths()
+                weights = features.weights_or_none()
             batch = _uniform_batch_size(features)
             stride = None if batch is not None else features.stride_per_key_per_rank()
         except AttributeError as err:
@@ -884,7 +963,12 @@ class InputDist:
             raise InvalidFeaturesError(
                 f"`weights` must be a float tensor shaped like `values` {tuple(values.shape)}, got {_describe(weights)}"
             )
-        return keys, values.to(torch.int64), lengths.to(torch.int64), weights, batch
+        # `.to` only where it converts: a no-op `.to` still costs its argument parsing.
+        if values.dtype != torch.int64:
+            values = values.to(torch.int64)
+        if lengths.dtype != torch.int64:
+            lengths = lengths.to(torch.int64)
+        return keys, values, lengths, weights, batch
 
     def _check_keys(self, keys: tuple[str, ...]) -> None:
         """Every key is served, none is missing, none repeats: O(F) set and dict work."""
@@ -1157,6 +1241,8 @@ class _AloneLayout:
 
     Attributes:
         rows: ``[F_in]`` rows of each input key's table (device).
+        same_rows: The rows of every input key's table when they all have as many (the id range check is
+            then the largest id against it, no per-id key), else ``None``.
         order: ``[S]`` the input key of each slot (device); ``None`` when the input is in slot order.
         slot_of_key: ``[F_in]`` the slot of each input key (device).
         ids_per_slot: picks the ids per slot out of the host read.
@@ -1164,6 +1250,7 @@ class _AloneLayout:
     """
 
     rows: Tensor
+    same_rows: int | None
     order: Tensor | None
     slot_of_key: Tensor
     ids_per_slot: _Reader

@@ -64,7 +64,8 @@ class _OutputDistBase:
                 f"rank {self.rank}: the lookup returned {lookup_out.numel()} elements but the distributed "
                 f"batch needs {sum(in_splits)} ({in_splits} per source rank)"
             )
-        return self.comm.all_to_all_autograd(lookup_out.reshape(-1), out_splits, in_splits, what, anchor)
+        flat = lookup_out if lookup_out.dim() == 1 else lookup_out.reshape(-1)  # no view node when 1-D
+        return self.comm.all_to_all_autograd(flat, out_splits, in_splits, what, anchor)
 
 
 class PooledOutputDist(_OutputDistBase):
@@ -98,6 +99,20 @@ class PooledOutputDist(_OutputDistBase):
         self._seg_col = torch.tensor(seg_col, dtype=torch.int64).to(comm.device)
         self._seg_dim = torch.tensor(seg_dim, dtype=torch.int64).to(comm.device)
         self._seg_width = sum(seg_dim)
+        # A group of one: the output column of each column of its lookup's [B, sum(dims)] block (slot order);
+        # `None` when the slot order is the feature order (the block is the output).
+        self._alone_columns: Tensor | None = None
+        if self.world == 1:
+            columns = [
+                self.col_offset[slot.feature] + k
+                for slot in layout.ranks[0].slots
+                for k in range(self.feature_dims[slot.feature])
+            ]
+            if columns != list(range(self.total_dim)):
+                inverse = [0] * self.total_dim
+                for j, c in enumerate(columns):
+                    inverse[c] = j
+                self._alone_columns = torch.tensor(inverse, dtype=torch.int64).to(comm.device)
 
     def __call__(self, lookup_out: Tensor, dist: DistributedFeatures, anchor: Tensor | None) -> Tensor:
         """Return ``[B, sum(dims)]`` pooled embeddings of the local batch, keys in global feature order."""
@@ -111,7 +126,30 @@ class PooledOutputDist(_OutputDistBase):
             out = _Permute.apply(recv, inverse, target)  # type: ignore[no-untyped-call]  # Function.apply is untyped
         else:
             out = recv.new_zeros(batch * self.total_dim).index_add(0, self._target(batch), recv)
-        out = out.view(batch, self.total_dim)
+        return self._mean(out.view(batch, self.total_dim), dist)
+
+    def from_batch_major(self, block: Tensor, dist: DistributedFeatures, anchor: Tensor | None) -> Tensor:
+        """``[B, sum(dims)]`` pooled embeddings of a group of one from its lookup's own ``[B, sum(dims)]`` block
+        (columns in slot order, ``GroupedVBELookup._batch_major``): nothing to exchange or to place per sample,
+        only the columns put in the module's feature order (none moved when the orders agree) and mean pooling.
+        """
+        batch = dist.source.batch_size
+        if tuple(block.shape) != (batch, self.total_dim):
+            raise BatchLayoutError(
+                f"rank {self.rank}: the lookup returned a block of shape {tuple(block.shape)} but the local batch "
+                f"needs ({batch}, {self.total_dim})"
+            )
+        # A group of one: the block itself, kept in the graph under grad mode (an empty batch too).
+        out = self.comm.all_to_all_autograd(
+            block, [block.shape[0]], [block.shape[0]], "pooled output dist", anchor
+        )
+        if self._alone_columns is not None:
+            out = out.index_select(1, self._alone_columns)
+        return self._mean(out, dist)
+
+    def _mean(self, out: Tensor, dist: DistributedFeatures) -> Tensor:
+        """``out`` ``[B, sum(dims)]`` with the columns of mean-pooled features divided by their bags' lengths."""
+        batch = out.shape[0]
         if self.has_mean and batch:
             src = dist.source
             lengths = src.lengths.view(len(src.keys), batch).index_select(0, self.inverse_keys(src))
@@ -201,10 +239,13 @@ class SequenceOutputDist(_OutputDistBase):
         elems = sent_counts * self._seg_dim
         send_start = torch.cumsum(sent_counts, 0) - sent_counts
         recv_start = torch.cumsum(elems, 0) - elems
-        s = src.sorted_segment
+        s, inverse_perm = src.sorted_segment, src.inverse_perm
+        # A sequence module's input dist keeps the ids' order.
+        assert s is not None
+        assert inverse_perm is not None
         q = torch.arange(s.numel(), device=dev)
         base = recv_start[s] + (q - send_start[s]) * self._seg_dim[s]  # [N] element offset of each sent id
-        base = base[src.inverse_perm]  # original id order (input key → sample → id)
+        base = base[inverse_perm]  # original id order (input key → sample → id)
 
         out: list[Tensor] = [recv] * len(self.layout.features)  # every entry is replaced below
         start = 0

@@ -26,6 +26,8 @@ against (fbgemm-gpu 1.6 to 1.8), keeps the module path: :func:`direct_tbe` says 
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,7 @@ import torch
 
 from vbe_lookup import _fbgemm
 
-__all__ = ["DirectTBE", "LayoutArgs", "direct_tbe"]
+__all__ = ["PLAIN_LAYOUT", "DirectTBE", "LayoutArgs", "direct_tbe"]
 
 # fbgemm's OptimType name -> (op name, whether the op takes row-wise Adagrad's momentum and optim args).
 _OPS: dict[str, tuple[str, bool]] = {
@@ -65,6 +67,31 @@ _COMMON_ARGS = (
     "vbe_output",
 )
 _ROWWISE_ARGS = ("momentum1", "optim_int", "optim_float")
+# The module state each call reads: rows (and row-wise Adagrad's momentum) in host memory (fbgemm-gpu-cpu) or
+# in device memory, then the rest, in the order `DirectTBE.__call__` unpacks them.
+_ROWS_CPU = ("weights_host", "weights_placements", "weights_offsets")
+_ROWS_DEV = ("weights_dev", "weights_uvm", "weights_placements", "weights_offsets", "lxu_cache_weights")
+_MOMENTUM_CPU = ("momentum1_host", "momentum1_placements", "momentum1_offsets")
+_MOMENTUM_DEV = ("momentum1_dev", "momentum1_uvm", "momentum1_placements", "momentum1_offsets")
+_PLAIN = (
+    "placeholder_autograd_tensor",
+    "D_offsets",
+    "total_D",
+    "max_D",
+    "hash_size_cumsum",
+    "total_hash_size_bits",
+    "pooling_mode",
+    "output_dtype",
+    "lxu_cache_locations_empty",
+    "info_B_num_bits",
+    "info_B_mask",
+    "is_experimental",
+    "use_uniq_cache_locations_bwd",
+    "use_homogeneous_placements",
+    "mixed_D",
+    "learning_rate_tensor",
+    "optimizer_args",
+)
 # Attributes whose presence (and value) put a TBE outside the configuration the direct path reproduces.
 _OFF_WHEN_SET = (
     "stats_reporter",
@@ -93,6 +120,18 @@ class LayoutArgs:
     # [B, total_D] output in VBE order (rank -> feature -> sample -> dim), and the granule.
     vbe_order: torch.Tensor | None = None
     granule: int = 1
+
+
+PLAIN_LAYOUT = LayoutArgs(
+    max_B=-1,
+    max_B_feature_rank=-1,
+    output_size=-1,
+    B_offsets=None,
+    output_offsets_feature_rank=None,
+    B_offsets_rank_per_feature=None,
+    vbe_output_offsets=None,
+)
+"""A call without VBE (every feature ``B`` samples): the op's ``[B, total_D]`` output, as fbgemm's module's."""
 
 
 def _schema_names(op: Any) -> set[str] | None:
@@ -131,16 +170,52 @@ def direct_tbe(kernel: Any) -> tuple[DirectTBE | None, str]:
 class DirectTBE:
     """One fbgemm TBE called through its lookup op (see the module docstring for when and why)."""
 
-    __slots__ = ("_check_bounds", "_index_dtype", "kernel", "op", "rowwise")
+    __slots__ = (
+        "_check_bounds",
+        "_counters",
+        "_index_dtype",
+        "_keywords",
+        "_read_cpu",
+        "_read_dev",
+        "_read_host",
+        "_read_plain",
+        "_schema_order",
+        "kernel",
+        "op",
+        "overload",
+        "rowwise",
+    )
 
     def __init__(self, kernel: Any, op: Any, rowwise: bool) -> None:
         self.kernel = kernel
         self.op = op
+        self.overload = op.default  # called with positional arguments: no keyword matching per call
         self.rowwise = rowwise  # takes momentum1 and counts `iter`
         self._index_dtype: torch.dtype | None = (
             torch.int32 if kernel.embedding_table_index_type == torch.int32 else None
         )
         self._check_bounds = int(kernel.bounds_check_mode_int) != _fbgemm.bounds_check_none()
+        # The op's arguments in its schema's order, picked (in C) from a tuple in `_COMMON_ARGS (+ _ROWWISE_ARGS)`
+        # order: the schema's order is fbgemm's (checked equal as a set in `direct_tbe`), not ours.
+        ours = _COMMON_ARGS + (_ROWWISE_ARGS if rowwise else ())
+        position = {name: i for i, name in enumerate(ours)}
+        schema = op.default._schema.arguments
+        self._schema_order = operator.itemgetter(*(position[a.name] for a in schema))
+        # Positional unless the schema makes some argument keyword-only (then by name, in its order).
+        self._keywords: tuple[str, ...] | None = (
+            tuple(a.name for a in schema) if any(a.kwarg_only for a in schema) else None
+        )
+        # The module's state the op reads, read every call (so `.to()`, `load_state_dict` and
+        # `set_learning_rate` keep working) but each from the dictionary that holds it, found once.
+        momentum_cpu = _MOMENTUM_CPU if rowwise else ()
+        momentum_dev = _MOMENTUM_DEV if rowwise else ()
+        self._read_host = _reader(kernel, ("weights_host",))  # decides which of the next two a call reads
+        self._read_cpu = _reader(kernel, _ROWS_CPU + momentum_cpu)
+        self._read_dev = _reader(kernel, _ROWS_DEV + momentum_dev)
+        self._read_plain = _reader(kernel, _PLAIN)
+        # fbgemm's `step` and `timestep` are plain ints of the module: bumped in its `__dict__` (what
+        # `nn.Module.__setattr__` does for an int, without its checks) when they are there.
+        self._counters = all(isinstance(kernel.__dict__.get(name), int) for name in ("step", "timestep"))
 
     def prepare(
         self, offsets: torch.Tensor, batch_sizes: list[list[int]], vbe_output_offsets: torch.Tensor | None
@@ -216,77 +291,115 @@ class DirectTBE:
                 prefetch_pipeline=False,
             )
         if not torch.compiler.is_compiling():  # module attributes mutated under dynamo force a restart
-            k.step += 1
-            k.timestep += 1
-        args = k.optimizer_args
-        on_cpu = k.weights_host.numel() > 0
-        if on_cpu:
-            rows = [k.weights_host, k.weights_placements, k.weights_offsets]
-        else:
-            rows = [
-                k.weights_dev,
-                k.weights_uvm,
-                k.weights_placements,
-                k.weights_offsets,
-                k.lxu_cache_weights,
-            ]
-        extra: dict[str, Any] = {}
-        if self.rowwise:
-            if on_cpu:
-                momentum = [k.momentum1_host, k.momentum1_placements, k.momentum1_offsets]
+            if self._counters:
+                state = k.__dict__
+                state["step"] += 1
+                state["timestep"] += 1
             else:
-                momentum = [k.momentum1_dev, k.momentum1_uvm, k.momentum1_placements, k.momentum1_offsets]
-            extra = {
-                "momentum1": momentum,
-                "optim_int": [args.weight_decay_mode],
-                "optim_float": [args.eps, args.weight_decay, args.max_norm],
-            }
-        out: torch.Tensor = self.op(
-            placeholder_autograd_tensor=k.placeholder_autograd_tensor,
-            weights=rows,
-            D_offsets=k.D_offsets,
-            total_D=k.total_D,
-            max_D=k.max_D,
-            hash_size_cumsum=k.hash_size_cumsum,
-            total_hash_size_bits=k.total_hash_size_bits,
-            indices=indices,
-            offsets=offsets,
-            pooling_mode=k.pooling_mode,
-            indice_weights=weights,
-            feature_requires_grad=None,
-            output_dtype=k.output_dtype,
-            max_B=layout.max_B,
-            max_B_feature_rank=layout.max_B_feature_rank,
-            vbe_output_size=layout.output_size,
-            vbe_output=vbe_output,
-            aux_tensor=[
+                k.step += 1
+                k.timestep += 1
+        (
+            placeholder,
+            d_offsets,
+            total_d,
+            max_d,
+            hash_size_cumsum,
+            total_hash_size_bits,
+            pooling_mode,
+            output_dtype,
+            cache_locations_empty,
+            info_b_num_bits,
+            info_b_mask,
+            is_experimental,
+            uniq_cache_locations_bwd,
+            homogeneous_placements,
+            mixed_d,
+            learning_rate_tensor,
+            args,
+        ) = self._read_plain()
+        (weights_host,) = self._read_host()
+        if weights_host.numel() > 0:  # rows in host memory (fbgemm-gpu-cpu)
+            state_tensors = self._read_cpu()
+            rows = list(state_tensors[:3])
+            momentum = list(state_tensors[3:])
+        else:
+            state_tensors = self._read_dev()
+            rows = list(state_tensors[:5])
+            momentum = list(state_tensors[5:])
+        values: tuple[Any, ...] = (
+            placeholder,
+            rows,
+            d_offsets,
+            total_d,
+            max_d,
+            hash_size_cumsum,
+            total_hash_size_bits,
+            indices,
+            offsets,
+            pooling_mode,
+            weights,
+            None,  # feature_requires_grad
+            output_dtype,
+            [
                 layout.B_offsets,
                 layout.output_offsets_feature_rank,
                 layout.B_offsets_rank_per_feature,
-                k.lxu_cache_locations_empty,
+                cache_locations_empty,
                 None,  # uvm_cache_stats: off (checked in direct_tbe)
                 None,  # prev_iter_dev: no global weight decay
                 layout.vbe_output_offsets,
             ],
-            aux_int=[0, k.info_B_num_bits, k.info_B_mask],  # iter: read only by modes not taken here
-            aux_float=[0.0, args.max_gradient],  # gwd_lower_bound, max_gradient
-            aux_bool=[
-                k.is_experimental,
-                k.use_uniq_cache_locations_bwd,
-                k.use_homogeneous_placements,
+            [0, info_b_num_bits, info_b_mask],  # aux_int; iter: read only by modes not taken here
+            [0.0, args.max_gradient],  # aux_float: gwd_lower_bound, max_gradient
+            [  # aux_bool
+                is_experimental,
+                uniq_cache_locations_bwd,
+                homogeneous_placements,
                 False,  # apply_global_weight_decay
                 args.gradient_clipping,
                 args.stochastic_rounding,
-                k.mixed_D
-                if self.rowwise
-                else True,  # fbgemm's module passes mixed_D to row-wise Adagrad only
+                mixed_d if self.rowwise else True,  # fbgemm's module passes mixed_D to row-wise Adagrad only
             ],
-            learning_rate_tensor=k.learning_rate_tensor,
-            **extra,
+            learning_rate_tensor,
+            layout.max_B,
+            layout.max_B_feature_rank,
+            layout.output_size,
+            vbe_output,
+        )
+        if self.rowwise:
+            values += (
+                momentum,
+                [args.weight_decay_mode],  # optim_int
+                [args.eps, args.weight_decay, args.max_norm],  # optim_float
+            )
+        ordered = self._schema_order(values)
+        out: torch.Tensor = (
+            self.overload(*ordered)
+            if self._keywords is None
+            else self.overload(**dict(zip(self._keywords, ordered, strict=True)))
         )
         if layout.vbe_order is not None:  # [B, total_D] without VBE -> VBE order
             out = out.reshape(-1, layout.granule).index_select(0, layout.vbe_order).reshape(-1)
         return out
+
+
+def _reader(module: Any, names: tuple[str, ...]) -> Callable[[], tuple[Any, ...]]:
+    """A function returning ``tuple(getattr(module, n) for n in names)`` as read now, without
+    ``nn.Module.__getattr__``'s Python fallback per name: each name is read from the dictionary that holds it
+    (parameters, buffers or the instance's own attributes), found here. ``getattr`` where a name is in none
+    of them (a class attribute or property) or where the two reads disagree."""
+    stores: list[dict[str, Any]] = []
+    for name in names:
+        store = next(
+            (d for d in (module.__dict__, module._parameters, module._buffers) if name in d),
+            None,
+        )
+        if store is None or store[name] is not getattr(module, name, None):
+            getter = operator.attrgetter(*names)  # raises, when called, for a name the module lacks
+            return lambda: tuple(getter(module)) if len(names) > 1 else (getter(module),)
+        stores.append(store)
+    pairs = tuple(zip(stores, names, strict=True))
+    return lambda: tuple([store[name] for store, name in pairs])
 
 
 def _uniform(batch_sizes: list[list[int]]) -> bool:

@@ -19,7 +19,7 @@ from torch import nn
 
 from vbe_lookup import _fbgemm
 from vbe_lookup._compat import eager_only
-from vbe_lookup._fbgemm_direct import DirectTBE, LayoutArgs, direct_tbe
+from vbe_lookup._fbgemm_direct import PLAIN_LAYOUT, DirectTBE, LayoutArgs, direct_tbe
 from vbe_lookup._features import (
     VBEFeatures,
     check_length_per_key,
@@ -386,8 +386,20 @@ class GroupedVBELookup(nn.Module):
                 if call is None and _fbgemm.is_fbgemm_tbe(group.kernel):
                     _fbgemm.install_vbe_metadata_cache(group.kernel)
         self.fbgemm_paths: tuple[str | None, ...] = tuple(paths)
+        # Kernels whose call without VBE is known to give ``[B, sum(dims)]`` (fbgemm's op, called directly, and
+        # TorchEmbeddingKernel): then `_batch_major` serves batches of one rank and one batch size.
+        self._plain_calls = merge == "preallocated" and all(
+            call is not None or type(group.kernel) is TorchEmbeddingKernel
+            for group, call in zip(groups, direct, strict=True)
+        )
         """Per group: ``"direct"``, ``"module: <why>"`` for an fbgemm TBE, ``None`` for other kernels."""
         self._layouts: OrderedDict[tuple[Any, ...], _Layout] = OrderedDict()
+        # The last layout with the very key and stride tuples it was asked for: a producer that keeps its
+        # tuples per layout (the sharded input dist, ``VBEFeatures.to``) finds it without hashing them.
+        self._last: tuple[tuple[str, ...], tuple[tuple[int, ...], ...], torch.device, _Layout] | None = None
+        # Inputs whose ids, lengths and offsets the caller has checked (a sharded module's input dist): an
+        # fbgemm TBE may then get the features' own offsets (its bounds check has nothing to repair).
+        self._trusted_inputs = False
 
     # ------------------------------------------------------------------ layout
     @eager_only  # host-side metadata, cached per layout
@@ -409,15 +421,19 @@ class GroupedVBELookup(nn.Module):
     def _layout(
         self, keys: tuple[str, ...], stride: tuple[tuple[int, ...], ...], device: torch.device
     ) -> _Layout:
+        last = self._last
+        if last is not None and last[0] is keys and last[1] is stride and last[2] == device:
+            return last[3]
         key = (keys, stride, device)
         layout = self._layouts.get(key)
         if layout is not None:
             self._layouts.move_to_end(key)
-            return layout
-        layout = self._build_layout(keys, stride, device)
-        self._layouts[key] = layout
-        if len(self._layouts) > _MAX_CACHED_LAYOUTS:
-            self._layouts.popitem(last=False)
+        else:
+            layout = self._build_layout(keys, stride, device)
+            self._layouts[key] = layout
+            if len(self._layouts) > _MAX_CACHED_LAYOUTS:
+                self._layouts.popitem(last=False)
+        self._last = (keys, stride, device, layout)
         return layout
 
     def _build_layout(
@@ -564,6 +580,51 @@ class GroupedVBELookup(nn.Module):
             IndexOutOfRangeError: an id outside its table (when ``check_indices`` checks now).
             ConfigurationError: per-id weights for an fbgemm-gpu-cpu TBE whose weighted mean is wrong.
         """
+        layout, inputs, device = self._accept(features)
+        out_values = self._run_kernels(layout, inputs, device)
+        return VBEOutput(
+            out_values,
+            layout.offsets,
+            layout.keys,
+            layout.dims,
+            layout.batch_sizes,
+            layout.offsets_host,
+            layout.size_per_rank,
+        )
+
+    def _batch_major(self, features: VBEFeatures) -> torch.Tensor | None:
+        """``[B, sum(dims)]`` pooled embeddings, columns in :meth:`forward`'s key order, of features from one
+        rank with the same batch size ``B > 0`` for every key (a sharded module's own batch on a group of one),
+        or ``None`` when that does not apply (``forward`` then serves). Every kernel is called without VBE:
+        its ``[B, sum(its dims)]`` output is a block of columns, so no rank → feature → sample output is built
+        only for its owner to put it back in sample order. The same checks as ``forward``."""
+        stride = features._stride
+        if (
+            not self._plain_calls
+            or not stride
+            or len(stride[0]) != 1
+            or stride[0][0] == 0
+            or stride.count(stride[0]) != len(stride)  # rows compared in C: no loop per feature
+        ):
+            return None
+        _, inputs, _ = self._accept(features)
+        outs: list[torch.Tensor] = []
+        for g_i, item in enumerate(inputs):
+            assert item is not None  # every group has B > 0 bags of each of its features
+            indices, offsets, weights = item
+            direct = self._direct[g_i]
+            if direct is not None:
+                y = direct(PLAIN_LAYOUT, indices, offsets, weights)
+            else:
+                y = self.groups[g_i].kernel(indices, offsets, per_sample_weights=weights)
+            outs.append(y if y.dtype == self.output_dtype else y.to(self.output_dtype))
+        self._count_iterations(inputs)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _accept(
+        self, features: KeyedJaggedTensorLike
+    ) -> tuple[_Layout, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None], torch.device]:
+        """The checks of :meth:`forward`, its layout, and each group's ``(indices, offsets, weights)``."""
         counts: Sequence[int] | None
         if isinstance(features, VBEFeatures):
             # Immutable and checked at construction: no per-step copies or checks.
@@ -604,17 +665,9 @@ class GroupedVBELookup(nn.Module):
                 layout, keys, values, lengths, offsets, counts, offsets_from_lengths, deferred=not checked
             )
 
-        inputs = self._split_inputs(layout, values, lengths, offsets, weights, counts, trusted=checked)
-        out_values = self._run_kernels(layout, inputs, device)
-        return VBEOutput(
-            out_values,
-            layout.offsets,
-            layout.keys,
-            layout.dims,
-            layout.batch_sizes,
-            layout.offsets_host,
-            layout.size_per_rank,
-        )
+        trusted = checked or (self._trusted_inputs and offsets_from_lengths)
+        inputs = self._split_inputs(layout, values, lengths, offsets, weights, counts, trusted=trusted)
+        return layout, inputs, device
 
     @eager_only  # one host sync (or module state, when deferred) by design; never part of a graph
     def _check_contents(
@@ -780,7 +833,7 @@ class GroupedVBELookup(nn.Module):
                 return torch.zeros(layout.total, dtype=dtype, device=device)
             y = self._call(0, layout.groups[0], item)
             self._count_iterations(inputs)
-            return y.reshape(-1).to(dtype)
+            return (y if y.dim() == 1 else y.reshape(-1)).to(dtype)  # no view node for a 1-D output
         if self.merge == "legacy":
             return self._legacy_merge(layout, inputs, device)
         out = torch.empty(layout.total, dtype=dtype, device=device)

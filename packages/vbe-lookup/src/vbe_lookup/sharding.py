@@ -34,7 +34,7 @@ import dataclasses
 import datetime
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -223,6 +223,9 @@ class SequenceEmbeddings:
 class _ShardedModule(nn.Module):
     """Plan check, kernels, two-phase input dist, pipelined-input FIFO, prefetch and state dict."""
 
+    # Whether the output dist reads each id's place in the input dist's send order (sequence outputs do).
+    _ID_ORDER: ClassVar[bool] = True
+
     def __init__(
         self,
         tables: Sequence[TableConfig],
@@ -300,7 +303,12 @@ class _ShardedModule(nn.Module):
             if groups
             else None
         )
-        self._input_dist = InputDist(layout, comm)
+        if self.lookup is not None:
+            # The input dist checks every rank's ids and lengths (raising before any lookup) and builds the
+            # offsets itself: fbgemm's bounds check finds nothing to repair in them, so no defensive copy.
+            self.lookup._trusted_inputs = True
+        self._input_dist = InputDist(layout, comm, id_order=self._ID_ORDER)
+        self._anchor_leaf = torch.zeros(0, device=device, requires_grad=True)
         self._queue: collections.deque[DistributedFeatures] = collections.deque()
         self.register_state_dict_post_hook(_state_dict_post_hook)  # type: ignore[no-untyped-call]  # untyped in torch
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)  # type: ignore[no-untyped-call]  # untyped in torch
@@ -362,7 +370,7 @@ class _ShardedModule(nn.Module):
 
     def wait_input_dist(self, handle: InputDistHandle) -> DistributedFeatures:
         """Finish the input dist: ids (CUDA) and weights all-to-all; returns this rank's VBE features."""
-        return self._input_dist.wait(handle, _anchor(self.device))
+        return self._input_dist.wait(handle, self._anchor())
 
     def enqueue_pipelined_input(self, dist_features: DistributedFeatures) -> None:
         """Queue distributed features; the next ``forward`` uses them (FIFO) instead of distributing."""
@@ -409,11 +417,22 @@ class _ShardedModule(nn.Module):
             raise InvalidFeaturesError("`features` is required when no pipelined input is queued")
         return self.wait_input_dist(self.start_input_dist(features))
 
+    def _anchor(self) -> Tensor | None:
+        """A 0-element leaf requiring grad (grad mode only) that keeps every rank's collectives in the graph.
+
+        One leaf serves every step (built once: no tensor per step); its gradient has no element.
+        """
+        return self._anchor_leaf if torch.is_grad_enabled() else None
+
     def _lookup(self, features: VBEFeatures, anchor: Tensor | None) -> Tensor:
         if self.lookup is None:
             out = torch.zeros(0, dtype=self.output_dtype, device=self.device)
         else:
             out = self.lookup(features).values()
+        return self._tie(out, features, anchor)
+
+    @staticmethod
+    def _tie(out: Tensor, features: VBEFeatures, anchor: Tensor | None) -> Tensor:
         weights = features.weights_or_none()
         if anchor is not None and weights is not None and weights.requires_grad:
             # Every rank must run the backward of the weights all-to-all; tie the weights to the output.
@@ -622,6 +641,8 @@ class ShardedEmbeddingBags(_ShardedModule):
     its output (an evaluation without ``no_grad``) is consistent and no error.
     """
 
+    _ID_ORDER = False  # pooled blocks are placed per (feature, sample): no per-id order
+
     def _init_output_dist(self) -> None:
         self._output_dist = PooledOutputDist(self.layout, self._comm)
         self._pooled_layout: PooledEmbeddings | None = None
@@ -638,9 +659,19 @@ class ShardedEmbeddingBags(_ShardedModule):
                 (then they are used and ``features`` is ignored).
         """
         dist_features = self._next_input(features)
-        anchor = _anchor(self.device)
-        out = self._lookup(dist_features.features, anchor)
-        values = self._output_dist(out, dist_features, anchor)
+        anchor = self._anchor()
+        block = None
+        lookup = self.lookup  # a submodule: read once (nn.Module's attribute fallback)
+        if self._comm.alone and lookup is not None:
+            # A group of one's own batch (every key B samples): the lookup's [B, sum(dims)] block is the output
+            # up to the columns' order, so nothing is built in rank → feature → sample order.
+            block = lookup._batch_major(dist_features.features)
+        if block is not None:
+            block = self._tie(block, dist_features.features, anchor)
+            values = self._output_dist.from_batch_major(block, dist_features, anchor)
+        else:
+            out = self._lookup(dist_features.features, anchor)
+            values = self._output_dist(out, dist_features, anchor)
         if self._pooled_layout is None:  # the keys and dims of every output, built once
             self._pooled_layout = PooledEmbeddings(
                 self.layout.features, self._output_dist.feature_dims, values.new_empty(0)
@@ -674,7 +705,7 @@ class ShardedSequenceEmbeddings(_ShardedModule):
     def forward(self, features: Any = None) -> SequenceEmbeddings:
         """One embedding per id of this rank's local batch (see :meth:`ShardedEmbeddingBags.forward`)."""
         dist_features = self._next_input(features)
-        anchor = _anchor(self.device)
+        anchor = self._anchor()
         out = self._lookup(self._kernel_features(dist_features), anchor)
         embeddings = self._output_dist(out, dist_features, anchor)
         src = dist_features.source
@@ -682,13 +713,6 @@ class ShardedSequenceEmbeddings(_ShardedModule):
         lengths = src.lengths.view(len(src.keys), batch)
         order = self._output_dist.inverse_keys(src)  # cached per key order: no per-step copy
         return SequenceEmbeddings(self.layout.features, embeddings, lengths.index_select(0, order))
-
-
-def _anchor(device: torch.device) -> Tensor | None:
-    """A 0-element leaf requiring grad (grad mode only) that keeps every rank's collectives in the graph."""
-    if not torch.is_grad_enabled():
-        return None
-    return torch.zeros(0, device=device, requires_grad=True)
 
 
 class _TieGrad(torch.autograd.Function):
