@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -232,17 +232,7 @@ class DirectTBE:
         if vbe_output_offsets is None and self.kernel.weights_host.numel() > 0 and _uniform(batch_sizes):
             dims = _fbgemm.tbe_feature_dims(self.kernel)
             order, granule = _vbe_order(batch_sizes[0], dims)
-            return LayoutArgs(
-                max_B=-1,
-                max_B_feature_rank=-1,
-                output_size=-1,
-                B_offsets=None,
-                output_offsets_feature_rank=None,
-                B_offsets_rank_per_feature=None,
-                vbe_output_offsets=None,
-                vbe_order=order.to(offsets.device),
-                granule=granule,
-            )
+            return replace(PLAIN_LAYOUT, vbe_order=order.to(offsets.device), granule=granule)
         metadata = self.kernel._generate_vbe_metadata(offsets, batch_sizes, None, vbe_output_offsets)
         return LayoutArgs(
             max_B=metadata.max_B,
