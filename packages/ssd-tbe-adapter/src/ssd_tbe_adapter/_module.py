@@ -41,7 +41,7 @@ from ssd_tbe_adapter._device_path import DevicePath
 from ssd_tbe_adapter._init import table_salt
 from ssd_tbe_adapter._layout import allocate_output, bag_grads, output_rows, place_pooled
 from ssd_tbe_adapter._optimizer import Optimizer, RowOptimizer
-from ssd_tbe_adapter._plan import Plan, device_inverse, group_batch, plan_batch
+from ssd_tbe_adapter._plan import BatchGroups, Plan, device_inverse, group_batch, plan_batch
 from ssd_tbe_adapter._prefetch import Prefetcher
 from ssd_tbe_adapter._records import RecordLayout
 from ssd_tbe_adapter._schema import check_schema, describe_store, ensure_schema
@@ -264,15 +264,13 @@ class KeyValueEmbeddingBags(nn.Module):
             self._tier.metrics.forwards_without_prefetch += 1
             batch = group_batch(plan, indices_cpu, self._feature_table_map)
             self._tier.count_first_look(batch.tables)
-        plan.groups = batch.tables
         plan.batch = batch
-        indices_device = device_inverse(plan, self._feature_table_map, self._device)
         psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32)
         if torch.is_grad_enabled():
             # autograd.Function.apply is untyped in torch's stubs.
-            result = KVBagFunction.apply(self._anchor, psw, vbe_output, self, plan, indices_device)  # type: ignore[no-untyped-call]
+            result = KVBagFunction.apply(self._anchor, psw, vbe_output, self, plan)  # type: ignore[no-untyped-call]
             return cast(torch.Tensor, result)
-        output, _ = self._forward_impl(plan, indices_device, psw, vbe_output)
+        output, _, _ = self._forward_impl(plan, psw, vbe_output)
         return output
 
     def prefetch(
@@ -659,19 +657,26 @@ class KeyValueEmbeddingBags(nn.Module):
     def _forward_impl(
         self,
         plan: Plan,
-        indices_device: list[torch.Tensor],
         per_sample_weights: torch.Tensor | None,
         vbe_output: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor | None]]:
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor | None], list[torch.Tensor]]:
+        """The pooled output of ``plan`` (its ``batch`` set), the rows copied out per table (for backward) and
+        each feature's lookups into its table's unique rows on the device (none for the fused step)."""
         fused = self._fused_forward(plan, per_sample_weights, vbe_output)
         if fused is not None:
-            return fused, {}
+            return fused, {}, []
+        batch = plan.batch
+        assert batch is not None  # set by forward
+        plan.groups = batch.tables
+        indices_device = device_inverse(plan, self._feature_table_map, self._device)
         # Rows are copied out of the cache only where needed: tables with misses (scratch rows), fp16 weights
         # (pooled in float32) and a per-sample-weight gradient (backward reads the forward's rows). Otherwise
         # the lookups are mapped to cache slots and pooled straight from the cache.
         need_rows = per_sample_weights is not None and per_sample_weights.requires_grad
         rows = {
-            table: self._tier.gather(table, group.unique, plan.slots, need_rows, group.slots)
+            table: self._tier.gather(
+                table, group.unique, plan.slots, need_rows, self._prior_slots(batch, table)
+            )
             for table, group in plan.groups.items()
         }
         slots_device = {
@@ -697,7 +702,12 @@ class KeyValueEmbeddingBags(nn.Module):
                 pooled = self._pool(plan, feature, offsets_device, lookups, table_rows, per_sample_weights)
                 place_pooled(plan, output, feature, column, pooled)
             column += dim
-        return output, rows
+        return output, rows, indices_device
+
+    def _prior_slots(self, batch: BatchGroups, table: int) -> torch.Tensor | None:
+        """The slots the prefetch left table ``table``'s rows of ``batch`` in (``[U_t]`` int64 host), if it
+        left them all cached: its own, or the table's part of the slab rows (checked before use either way)."""
+        return self._tier.table_slots(batch, batch.names.index(table))
 
     def _fused_forward(
         self, plan: Plan, per_sample_weights: torch.Tensor | None, vbe_output: torch.Tensor | None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,24 +43,95 @@ class TableGroup:
     order: torch.Tensor  # [N_t] int64 host: lookups of the table (features concatenated) by unique row
     sorted_bags: torch.Tensor  # [N_t] int64 host: bag (over the table's features) of each sorted lookup
     row_offsets: torch.Tensor  # [U + 1] int64 host: lookups of unique row u are order[ro[u]:ro[u+1]]
-    # [U] int64 host: the cache slot of each unique row when its prefetch left every row cached (forward
-    # checks that each slot still holds its id before using them)
-    slots: torch.Tensor | None = None
 
 
-@dataclass(slots=True)
 class BatchGroups:
     """:class:`TableGroup` of every table of one batch, and the same grouping over all tables at once.
 
-    The batch-wide arrays number the unique rows of every table together, in the order of ``tables``
-    (table ascending, then id: table ``t``'s rows are a contiguous run), so one pooled lookup and one
-    transpose serve all tables (the fused host-cache step of ``_module``). All host int64.
+    The batch-wide arrays number the unique rows of every table together, in table order (table ascending, then
+    id: table ``t``'s rows are a contiguous run), so one pooled lookup and one transpose serve all tables (the
+    fused host-cache step of ``_module``). All host int64. The per-table groups (:attr:`tables`) are built on
+    first use only: the fused step needs none of them, only each table's run of unique ids (:meth:`unique_of`).
+
+    Attributes:
+        names: the tables present in the batch, ascending.
+        unique: ``[U]`` every table's unique ids, table after table (ascending within a table).
+        bounds: per table of ``names``, its run ``(lo, hi)`` in ``unique``.
+        inverse: ``[N]`` each lookup's row among all tables' unique rows.
+        sorted_bags: ``[N]`` the bag (over the whole batch) of each lookup, sorted by unique row.
+        row_offsets: ``[U + 1]`` lookups of unique row ``u`` are ``sorted_bags[ro[u]:ro[u+1]]``.
+        slots: per table whose rows were all cached after its prefetch: their cache slots (``[U_t]`` int64 host,
+            in ``unique_of(table)`` order; forward checks that each slot still holds its id before using them).
+        slab_rows: ``[U]`` int64 host, the slab row of every unique row when the prefetch's survey found them
+            all cached in the tier's slab (``None`` otherwise), valid while the slab's ``generation`` is still
+            :attr:`slab_generation` (no cached row was dropped since).
     """
 
-    tables: dict[int, TableGroup]  # per table present in the batch, ascending
-    inverse: torch.Tensor  # [N]: each lookup's row among all tables' unique rows
-    sorted_bags: torch.Tensor  # [N]: the bag (over the whole batch) of each lookup, sorted by unique row
-    row_offsets: torch.Tensor  # [U + 1]: lookups of unique row u are sorted_bags[ro[u]:ro[u+1]]
+    __slots__ = (
+        "_build",
+        "_tables",
+        "_unique_of",
+        "bounds",
+        "inverse",
+        "names",
+        "row_offsets",
+        "slab_generation",
+        "slab_rows",
+        "slots",
+        "sorted_bags",
+        "unique",
+    )
+
+    def __init__(
+        self,
+        *,
+        names: list[int],
+        unique: np.ndarray[Any, np.dtype[np.int64]],
+        bounds: list[tuple[int, int]],
+        inverse: torch.Tensor,
+        sorted_bags: torch.Tensor,
+        row_offsets: torch.Tensor,
+        build: Callable[[], dict[int, TableGroup]],
+    ) -> None:
+        self.names = names
+        self.unique = unique
+        self.bounds = bounds
+        self.inverse = inverse
+        self.sorted_bags = sorted_bags
+        self.row_offsets = row_offsets
+        self.slots: dict[int, torch.Tensor] = {}
+        self.slab_rows: np.ndarray[Any, np.dtype[np.int64]] | None = None
+        self.slab_generation = -1
+        self._build: Callable[[], dict[int, TableGroup]] | None = build
+        self._tables: dict[int, TableGroup] | None = None
+        self._unique_of: list[torch.Tensor | None] = [None] * len(names)
+
+    @property
+    def tables(self) -> dict[int, TableGroup]:
+        """Per table present in the batch (ascending), its :class:`TableGroup` (built at the first access)."""
+        if self._tables is None:
+            build = self._build
+            assert build is not None  # set until the first build
+            self._tables = build()
+            self._build = None
+            for position, ids in enumerate(self._unique_of):  # one tensor per table's ids, as before
+                if ids is not None:
+                    self._tables[self.names[position]].unique = ids
+        return self._tables
+
+    def unique_of(self, position: int) -> torch.Tensor:
+        """The unique ids (``[U_t]`` int64 host, ascending) of table ``names[position]`` (one tensor per table and
+        batch, so the slots vouched for it are recognised: :meth:`TableCache.holds`)."""
+        ids = self._unique_of[position]
+        if ids is None:
+            tables = self._tables
+            if tables is not None:
+                ids = tables[self.names[position]].unique
+            else:
+                lo, hi = self.bounds[position]
+                ids = torch.from_numpy(self.unique[lo:hi])
+            self._unique_of[position] = ids
+        return ids
 
 
 @dataclass(slots=True)
@@ -422,8 +493,9 @@ def group_batch(plan: Plan, indices_cpu: torch.Tensor, feature_table_map: Sequen
     the same over all tables at once (see :class:`BatchGroups`).
 
     One sort of every lookup of the batch by ``(table, id)`` gives all tables' unique ids, inverses and
-    transposes together (numpy over the whole batch); per table only slices of the results are taken, so the
-    host work per batch does not grow with the number of tables (no per-row or per-table array pass). What
+    transposes together (numpy over the whole batch). Here only the batch-wide arrays are made; the per-table
+    groups are slices and shifts of the same results, taken when :attr:`BatchGroups.tables` is first read, so
+    the host work per batch does not grow with the number of tables (no per-row or per-table array pass). What
     depends on the bag layout and offsets alone is computed once per layout (:class:`_GroupLayouts`).
     """
     layout = _LAYOUTS.get(plan, feature_table_map)
@@ -442,39 +514,47 @@ def group_batch(plan: Plan, indices_cpu: torch.Tensor, feature_table_map: Sequen
     # firsts[p]: unique rows among the sorted lookups before p.
     firsts = np.cumsum(is_first, dtype=np.int64)
     firsts -= is_first
-    unique_lo = firsts[layout.lookup_lo]
-    unique_hi = firsts[layout.lookup_hi]
-    # Position of each sorted lookup's row among all unique rows, then among its table's unique rows.
+    unique_lo = firsts[layout.lookup_lo].tolist()
+    unique_hi = firsts[layout.lookup_hi].tolist()
+    # Position of each sorted lookup's row among all unique rows.
     rank = firsts[1 : n + 1] - 1
     batch_inverse = np.empty(n, dtype=np.int64)
     batch_inverse[order] = rank
-    rank -= np.repeat(unique_lo, layout.table_lookups)
-    inverse_np = np.empty(n, dtype=np.int64)
-    inverse_np[order] = rank
-    inverse = torch.from_numpy(inverse_np).split_with_sizes(layout.counts)
-    sorted_local = layout.local_position[order]
-    sorted_bags = layout.local_bag[order]
-    groups: dict[int, TableGroup] = {}
-    for i, table in enumerate(layout.names):
-        lo, hi, u_lo, u_hi = (
-            int(layout.lookup_lo[i]),
-            int(layout.lookup_hi[i]),
-            int(unique_lo[i]),
-            int(unique_hi[i]),
-        )
-        groups[table] = TableGroup(
-            unique=torch.from_numpy(unique_ids[u_lo:u_hi]),
-            inverse=[inverse[feature] for feature in layout.features[table]],
-            order=torch.from_numpy(sorted_local[lo:hi]),
-            sorted_bags=torch.from_numpy(sorted_bags[lo:hi]),
-            # starts[u_hi] is the next table's first lookup (hi), or n after the last table.
-            row_offsets=torch.from_numpy(starts[u_lo : u_hi + 1] - lo),
-        )
+
+    def build() -> dict[int, TableGroup]:
+        # Then among its table's unique rows.
+        local = rank - np.repeat(np.asarray(unique_lo, dtype=np.int64), layout.table_lookups)
+        inverse_np = np.empty(n, dtype=np.int64)
+        inverse_np[order] = local
+        inverse = torch.from_numpy(inverse_np).split_with_sizes(layout.counts)
+        sorted_local = layout.local_position[order]
+        sorted_bags = layout.local_bag[order]
+        groups: dict[int, TableGroup] = {}
+        for i, table in enumerate(layout.names):
+            lo, hi, u_lo, u_hi = (
+                int(layout.lookup_lo[i]),
+                int(layout.lookup_hi[i]),
+                unique_lo[i],
+                unique_hi[i],
+            )
+            groups[table] = TableGroup(
+                unique=torch.from_numpy(unique_ids[u_lo:u_hi]),
+                inverse=[inverse[feature] for feature in layout.features[table]],
+                order=torch.from_numpy(sorted_local[lo:hi]),
+                sorted_bags=torch.from_numpy(sorted_bags[lo:hi]),
+                # starts[u_hi] is the next table's first lookup (hi), or n after the last table.
+                row_offsets=torch.from_numpy(starts[u_lo : u_hi + 1] - lo),
+            )
+        return groups
+
     return BatchGroups(
-        tables=groups,
+        names=layout.names,
+        unique=unique_ids,
+        bounds=list(zip(unique_lo, unique_hi, strict=True)),
         inverse=torch.from_numpy(batch_inverse),
         sorted_bags=torch.from_numpy(layout.bag[order]),
         row_offsets=torch.from_numpy(starts),
+        build=build,
     )
 
 

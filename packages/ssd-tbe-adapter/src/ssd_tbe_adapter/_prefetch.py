@@ -221,30 +221,54 @@ class Prefetcher:
 
     def _survey(self, plan: Plan, indices_cpu: torch.Tensor, job: int) -> tuple[BatchGroups, _Misses | None]:
         """A job's first half: group the batch, count its hits, protect its cached rows; its misses, if any
-        (then the tier is marked in flight until :meth:`_fetch` ends)."""
+        (then the tier is marked in flight until :meth:`_fetch` ends).
+
+        With the slab (tables of one width), the batch's rows are looked up and, when all are cached, stamped
+        over all tables at once, and their slab rows kept for the forward and backward (``slab_rows``)."""
         tier = self._tier
         batch = group_batch(plan, indices_cpu, self._feature_table_map)
-        groups = batch.tables
+        slab = tier.slab
         misses: dict[int, torch.Tensor] = {}
         with tier.lock:
             tick = tier.next_tick()
             tier.job_ticks[job] = tick
+            rows = None
+            if slab is not None:
+                rows = tier.lookup_batch(batch)
+                hit_rows = rows >= 0
+                n_hit = int(np.count_nonzero(hit_rows))
+                tier.metrics.lookups += rows.shape[0]
+                tier.metrics.hits += n_hit
+                if n_hit == rows.shape[0]:
+                    slab.touch(rows, tick)
+                    batch.slab_rows = rows
+                    batch.slab_generation = slab.generation
+                    return batch, None
             first_slots: dict[int, torch.Tensor] = {}
             fills: dict[int, int] = {}
-            for table, group in groups.items():
+            for position, table in enumerate(batch.names):
                 cache = tier.caches[table]
-                slots = cache.lookup(group.unique)
+                unique = batch.unique_of(position)
+                if rows is None:
+                    slots = cache.lookup(unique)
+                    tier.metrics.lookups += unique.numel()
+                else:  # the slab rows found above, as this table's slots
+                    assert slab is not None
+                    lo, hi = batch.bounds[position]
+                    slots_np = rows[lo:hi] - slab.bases[table]
+                    slots_np[rows[lo:hi] < 0] = -1
+                    slots = torch.from_numpy(slots_np)
                 hit = slots.numpy() >= 0
                 n_hit = int(np.count_nonzero(hit))
-                tier.metrics.lookups += group.unique.numel()
-                tier.metrics.hits += n_hit
-                if n_hit == group.unique.numel():
+                if rows is None:
+                    tier.metrics.hits += n_hit
+                if n_hit == unique.numel():
                     cache.touch(slots, tick)
-                    cache.vouch(slots, group.unique)
-                    group.slots = slots
+                    cache.vouch(slots, unique)
+                    batch.slots[table] = slots
                 else:
                     cache.touch(torch.from_numpy(slots.numpy()[hit]), tick)
-                    misses[table] = torch.from_numpy(group.unique.numpy()[~hit])
+                    misses[table] = torch.from_numpy(unique.numpy()[~hit])
                     first_slots[table] = slots
                     fills[table] = cache.fills
             if not misses:
@@ -257,7 +281,6 @@ class Prefetcher:
     def _fetch(self, batch: BatchGroups, misses: _Misses, stream: Any) -> BatchGroups:
         """A job's second half: read the misses :meth:`_survey` found and insert them."""
         tier = self._tier
-        groups = batch.tables
         first_slots, fills, epoch, tick = misses.first_slots, misses.fills, misses.epoch, misses.tick
         readers = self._readers
         assert readers is not None
@@ -298,7 +321,7 @@ class Prefetcher:
                         tier.metrics.prefetched_rows += inserted_slots.numel()
                         if complete and inserted_slots.numel() == ids.numel():
                             slots = first_slots[table]
-                            groups[table].slots = slots.index_copy(
+                            batch.slots[table] = slots.index_copy(
                                 0, (slots < 0).nonzero().flatten(), inserted_slots
                             )
                         if tier.cuda:
