@@ -349,3 +349,48 @@ def test_prefetched_slab_rows_are_not_used_after_the_cache_was_cleared() -> None
         assert torch.equal(a.optimizer_state, b.optimizer_state)
     module.close()
     reference.close()
+
+
+def test_forward_of_a_prefetched_batch_reuses_its_plan_only_for_the_same_content(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A forward whose ids, offsets and batch sizes equal a pending prefetch's (other tensors) takes that
+    prefetch's plan without planning again; other batch sizes, int32 ids or per-sample weights plan and check
+    their inputs as usual, and every forward gives the output of a module that never prefetched."""
+    from ssd_tbe_adapter import KeyValueEmbeddingBags, MemoryStore, TableSpec, _module
+
+    planned: list[int] = []
+    plan_batch_ = _plan.plan_batch
+
+    def counted(*args: object, **kwargs: object) -> tuple[_plan.Plan, torch.Tensor]:
+        planned.append(1)
+        return plan_batch_(*args, **kwargs)  # type: ignore[arg-type]  # forwarded as given
+
+    monkeypatch.setattr(_module, "plan_batch", counted)
+
+    def new_module() -> KeyValueEmbeddingBags:
+        return KeyValueEmbeddingBags(
+            [TableSpec("a", 4), TableSpec("b", 4)], None, MemoryStore(), cache_rows=16, learning_rate=0.1
+        )
+
+    module, reference = new_module(), new_module()
+    ids = torch.tensor([1, 2, 2, 5, 1, 7])
+    offsets = torch.tensor([0, 2, 3, 5, 6])
+    sizes = [[1, 1], [2, 0]]
+    cases: list[tuple[list[list[int]] | None, torch.Tensor, torch.Tensor | None, int]] = [
+        (sizes, ids, None, 0),  # same content: the prefetch's plan
+        ([[2, 0], [1, 1]], ids, None, 1),  # other per-rank sizes: planned (own layout), grouping matched
+        (sizes, ids.to(torch.int32), None, 1),  # int32 ids: planned, then matched by content
+        (sizes, ids, torch.ones(6), 1),  # per-sample weights: planned
+    ]
+    for batch_sizes, forward_ids, weights, plans in cases:
+        module.prefetch(ids.clone(), offsets.clone(), sizes)
+        planned.clear()
+        out = module(forward_ids, offsets.clone(), weights, batch_sizes)
+        assert len(planned) == plans
+        expected = reference(forward_ids, offsets.clone(), weights, batch_sizes)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert module.metrics()["forwards_without_prefetch"] == 0
+    assert module.metrics()["forwards"] == len(cases)
+    module.close()
+    reference.close()

@@ -249,16 +249,31 @@ class KeyValueEmbeddingBags(nn.Module):
                 RowOptimizer(self.optimizer, self.learning_rate, self.eps),
                 self.pooling,
             )
-        plan, indices_cpu = plan_batch(
-            indices,
-            offsets,
-            per_sample_weights,
-            batch_size_per_feature_per_rank,
-            vbe_output,
-            vbe_output_offsets,
-            **self._layout_args(),
-        )
-        batch = self._prefetcher.take(indices, offsets, plan, indices_cpu)
+        taken = None
+        if (
+            not self._cuda
+            and per_sample_weights is None
+            and vbe_output is None
+            and vbe_output_offsets is None
+            and _host_int64(indices)
+            and _host_int64(offsets)
+        ):
+            # The batch of a pending prefetch, which checked and planned it already: its plan, no second one.
+            taken = self._prefetcher.take_planned(indices, offsets, batch_size_per_feature_per_rank)
+        batch: BatchGroups | None
+        if taken is not None:
+            plan, batch = taken
+        else:
+            plan, indices_cpu = plan_batch(
+                indices,
+                offsets,
+                per_sample_weights,
+                batch_size_per_feature_per_rank,
+                vbe_output,
+                vbe_output_offsets,
+                **self._layout_args(),
+            )
+            batch = self._prefetcher.take(indices, offsets, plan, indices_cpu)
         self._tier.metrics.forwards += 1
         if batch is None:
             self._tier.metrics.forwards_without_prefetch += 1
@@ -313,7 +328,9 @@ class KeyValueEmbeddingBags(nn.Module):
             indices, offsets, None, batch_size_per_feature_per_rank, None, None, **self._layout_args()
         )
         stream = torch.cuda.current_stream(self._device) if self._cuda else None
-        self._prefetcher.submit(plan, indices, offsets, indices_cpu, stream, self.read_threads)
+        self._prefetcher.submit(
+            plan, indices, offsets, indices_cpu, stream, self.read_threads, batch_size_per_feature_per_rank
+        )
         self._tier.metrics.prefetches += 1
 
     def complete_prefetch(self) -> None:
@@ -863,3 +880,14 @@ class KeyValueEmbeddingBags(nn.Module):
                 grad_rows = source.new_zeros(0, source.shape[1])
             self._tier.apply_update(table, group.unique, grad_rows, optimizer, plan.slots.get(table))
         return grad_psw
+
+
+def _host_int64(tensor: object) -> bool:
+    """Whether ``tensor`` is a 1-D int64 CPU tensor (a forward's ``indices`` or ``offsets`` as its prefetch keeps
+    them, so equal content means the same batch)."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.dtype == torch.int64
+        and tensor.dim() == 1
+        and tensor.device.type == "cpu"
+    )

@@ -50,6 +50,8 @@ class _Pending:
     num_bags: list[int]
     future: Future[BatchGroups]
     job: int  # sequence number of the prefetch job
+    plan: Plan  # the job's plan (no per-sample weights, no ``vbe_output``)
+    batch_sizes: list[list[int]] | None  # the VBE batch sizes prefetch was called with
 
     def matches(
         self, indices: torch.Tensor, offsets: torch.Tensor, plan: Plan, indices_cpu: torch.Tensor
@@ -64,6 +66,16 @@ class _Pending:
         ):
             return True
         return torch.equal(self.indices_cpu, indices_cpu) and torch.equal(self.offsets_cpu, plan.offsets)
+
+    def same_batch(
+        self, indices: torch.Tensor, offsets: torch.Tensor, batch_sizes: list[list[int]] | None
+    ) -> bool:
+        """Whether ``indices`` / ``offsets`` (1-D int64 host) and ``batch_sizes`` are this job's batch."""
+        return (
+            self.batch_sizes == batch_sizes
+            and torch.equal(self.offsets_cpu, offsets)
+            and torch.equal(self.indices_cpu, indices)
+        )
 
 
 def _versions(indices: torch.Tensor, offsets: torch.Tensor) -> tuple[int, int]:
@@ -124,8 +136,10 @@ class Prefetcher:
         indices_cpu: torch.Tensor,
         stream: Any,
         read_threads: int,
+        batch_sizes: list[list[int]] | None = None,
     ) -> None:
-        """Queue a job for the batch of ``plan`` (``indices``/``offsets``: what prefetch was called with).
+        """Queue a job for the batch of ``plan`` (``indices``/``offsets``/``batch_sizes``: what prefetch was
+        called with).
 
         The threads start at the first job; ``read_threads`` sizes the reader pool then.
         """
@@ -151,6 +165,8 @@ class Prefetcher:
                 num_bags=list(plan.num_bags),
                 future=future,
                 job=job,
+                plan=plan,
+                batch_sizes=None if batch_sizes is None else [list(row) for row in batch_sizes],
             )
         )
         while len(self._pending) > _MAX_PENDING:
@@ -185,6 +201,32 @@ class Prefetcher:
             with tier.lock:
                 tier.batch_tick = tier.tick + 1  # this forward's own ticks
             return None
+        return self._take_at(match)
+
+    def take_planned(
+        self, indices: torch.Tensor, offsets: torch.Tensor, batch_sizes: list[list[int]] | None
+    ) -> tuple[Plan, BatchGroups] | None:
+        """:meth:`take` for a forward without per-sample weights or ``vbe_output`` whose ``indices`` and
+        ``offsets`` are 1-D int64 host tensors: the pending prefetch of the same ids, offsets and batch sizes
+        (content; it checked them when it planned the batch) with its plan, so the forward plans nothing.
+        ``None``, with nothing changed, when no pending prefetch is of this batch (the forward then plans and
+        checks its inputs, and calls :meth:`take`)."""
+        match = next(
+            (
+                position
+                for position, pending in enumerate(self._pending)
+                if pending.same_batch(indices, offsets, batch_sizes)
+            ),
+            None,
+        )
+        if match is None:
+            return None
+        plan = self._pending[match].plan
+        return plan, self._take_at(match)
+
+    def _take_at(self, match: int) -> BatchGroups:
+        """Retire the pending jobs before position ``match``, then wait for that one and hand its batch over."""
+        tier = self._tier
         for _ in range(match):  # prefetched batches that never came
             self._retire(self._pending.popleft())
         pending = self._pending.popleft()
