@@ -15,7 +15,10 @@ job's store read.
 The fused host-cache step: tables of one width keep their cache slots in one slab (``_cache.RowSlab``), so on
 the CPU a batch whose rows its prefetch left cached is pooled by one ``embedding_bag`` over every table and
 updated by one optimizer step (``_fused_forward``, ``_fused_backward``), with the same sums, term by term, as
-the per-table path that serves every other case. Backward applies each row's update
+the per-table path that serves every other case. The prefetch's survey finds the batch's slab rows in one pass
+over every table and stamps them in one (the use ticks and counts are slab-wide too); forward and backward use
+those rows as they are while no cached row was dropped since (the slab's generation), else check them table by
+table; a forward of the prefetched batch also takes the prefetch's plan. Backward applies each row's update
 to wherever the row lives *at backward time* (cache slot, else the store); a slot remembered from forward
 (or from the prefetch) is used only after checking that it still holds the row, so no update depends on the
 cache size or on timing.

@@ -396,6 +396,13 @@ class _GroupLayout:
     lookup_lo: np.ndarray[Any, np.dtype[np.int64]]  # per table of `names`: its lookups in the sorted batch
     lookup_hi: np.ndarray[Any, np.dtype[np.int64]]
     table_lookups: np.ndarray[Any, np.dtype[np.int64]]  # lookup_hi - lookup_lo
+    table_starts: np.ndarray[Any, np.dtype[np.int64]]  # lookup_lo of the tables with lookups
+    table_bounds: np.ndarray[Any, np.dtype[np.int64]]  # lookup_lo then lookup_hi
+    # The (table, position) part of :func:`sort_with_order`'s keys, ``table << (id_bits + position_bits) |
+    # position`` ([N]), so a batch adds only its ids (``None`` when fewer than 2 lookups or no id bits are left).
+    sort_base: np.ndarray[Any, np.dtype[np.int64]] | None
+    id_bits: int
+    position_bits: int
 
     @property
     def size(self) -> int:
@@ -435,21 +442,55 @@ def _group_layout(
     sizes = np.array([table_lookups[table] for table in names], dtype=np.int64)
     lookup_hi = np.cumsum(sizes)
     bag = np.repeat(np.arange(total_bags, dtype=np.int64), lengths)[:n]
+    lookup_tables = np.repeat(tables, counts)
+    num_groups = int(tables.max()) + 1 if num_features else 1
+    lookup_lo = lookup_hi - sizes
+    # sort_with_order's key layout for this batch size and table count.
+    position_bits = (n - 1).bit_length() if n else 0
+    id_bits = 63 - position_bits - (num_groups - 1).bit_length()
+    sort_base = None
+    if n >= 2 and id_bits > 0:
+        sort_base = lookup_tables << (id_bits + position_bits)
+        sort_base |= np.arange(n, dtype=np.int64)
     return _GroupLayout(
         offsets=offsets.copy(),
         first=int(bounds[0]),
         counts=counts.tolist(),
-        tables=np.repeat(tables, counts),
+        tables=lookup_tables,
         local_position=np.arange(n, dtype=np.int64) - np.repeat(lookup_shift, counts),
         local_bag=bag - np.repeat(bag_shift, counts),
         bag=bag,
-        num_groups=int(tables.max()) + 1 if num_features else 1,
+        num_groups=num_groups,
         names=names,
         features=features,
-        lookup_lo=lookup_hi - sizes,
+        lookup_lo=lookup_lo,
         lookup_hi=lookup_hi,
         table_lookups=sizes,
+        table_starts=lookup_lo[sizes > 0],
+        table_bounds=np.concatenate([lookup_lo, lookup_hi]),
+        sort_base=sort_base,
+        id_bits=id_bits,
+        position_bits=position_bits,
     )
+
+
+def _sort_batch(
+    layout: _GroupLayout, ids: np.ndarray[Any, np.dtype[np.int64]]
+) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
+    """``sort_with_order(ids, layout.tables, layout.num_groups)``, the same keys, with the layout's part of them
+    computed once per layout."""
+    base = layout.sort_base
+    if base is None:
+        return sort_with_order(ids, layout.tables, layout.num_groups)
+    low, high = int(ids.min()), int(ids.max())
+    if (high - low) >> layout.id_bits:
+        return sort_with_order(ids, layout.tables, layout.num_groups)
+    keys = ids - low
+    keys <<= layout.position_bits
+    keys |= base
+    keys.sort()
+    order = keys & ((1 << layout.position_bits) - 1)
+    return order, ids[order]
 
 
 class _GroupLayouts:
@@ -502,20 +543,20 @@ def group_batch(plan: Plan, indices_cpu: torch.Tensor, feature_table_map: Sequen
     n = layout.tables.shape[0]
     ids = indices_cpu.numpy()[layout.first : layout.first + n]
     # The order within one (table, id) does not matter (it only orders the terms of that row's gradient sum).
-    order, sorted_ids = sort_with_order(ids, layout.tables, layout.num_groups)
+    order, sorted_ids = _sort_batch(layout, ids)
     is_first = np.empty(n + 1, dtype=np.bool_)
     if n:
         is_first[0] = True
         np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=is_first[1:n])
-        is_first[layout.lookup_lo[layout.table_lookups > 0]] = True  # a table's first lookup
+        is_first[layout.table_starts] = True  # a table's first lookup
     is_first[n] = True  # past the end: `starts` ends with n
     starts = np.flatnonzero(is_first)
     unique_ids = sorted_ids[starts[:-1]]
     # firsts[p]: unique rows among the sorted lookups before p.
     firsts = np.cumsum(is_first, dtype=np.int64)
     firsts -= is_first
-    unique_lo = firsts[layout.lookup_lo].tolist()
-    unique_hi = firsts[layout.lookup_hi].tolist()
+    unique_bounds = firsts[layout.table_bounds].tolist()
+    unique_lo, unique_hi = unique_bounds[: len(layout.names)], unique_bounds[len(layout.names) :]
     # Position of each sorted lookup's row among all unique rows.
     rank = firsts[1 : n + 1] - 1
     batch_inverse = np.empty(n, dtype=np.int64)
