@@ -187,9 +187,14 @@ def _fused_run(
     optimizer: str,
     cache_rows: int,
     monkeypatch: pytest.MonkeyPatch,
-) -> tuple[list[torch.Tensor], list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], int]:
+    prefetch_after_forward: bool = False,
+) -> tuple[
+    list[torch.Tensor], list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]], int, list[list[int]]
+]:
     """Five prefetched steps over three tables of one width (feature 3 shares table 0); the outputs, every
-    stored row afterwards, and how many forwards took the fused step."""
+    stored row afterwards, how many forwards took the fused step, and per table the cached ids with their use
+    counts (``[id, uses, ...]`` by id) before the checkpoint. ``prefetch_after_forward``: the next batch's
+    prefetch runs between a forward and its backward (as in the trainer), else before the forward."""
     from ssd_tbe_adapter import KeyValueEmbeddingBags, MemoryStore, TableSpec
 
     module = KeyValueEmbeddingBags(
@@ -227,7 +232,7 @@ def _fused_run(
     module.prefetch(*batches[0], sizes)
     module.wait_prefetch()
     for step, (ids, offsets) in enumerate(batches):
-        if step + 1 < len(batches):
+        if step + 1 < len(batches) and not prefetch_after_forward:
             module.prefetch(*batches[step + 1], sizes)
             module.wait_prefetch()
         vbe_output = vbe_output_offsets = None
@@ -236,12 +241,22 @@ def _fused_run(
             vbe_output = torch.full((4 * 40,), 7.0)
             vbe_output_offsets = torch.tensor([[0, 8, 12, 24], [80, 92, 100, 104]])
         out = module(ids, offsets, None, sizes, vbe_output, vbe_output_offsets)
+        if step + 1 < len(batches) and prefetch_after_forward:
+            module.prefetch(*batches[step + 1], sizes)
+            module.wait_prefetch()
         grad = torch.linspace(-1.0, 1.0, out.numel()).view_as(out)
         out.backward(grad)
         outputs.append(out.detach().clone())
+    cached = []
+    for cache in module._tier.caches:
+        valid = cache.valid.nonzero().flatten()
+        order = torch.argsort(cache.slot_ids[valid])
+        cached.append(
+            torch.stack([cache.slot_ids[valid][order], cache.uses[valid][order]], 1).flatten().tolist()
+        )
     rows = [(c.table, c.ids, c.weights, c.optimizer_state) for c in module.checkpoint()]
     module.close()
-    return outputs, rows, taken
+    return outputs, rows, taken, cached
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"], ids=["sgd", "adagrad"])
@@ -251,11 +266,18 @@ def _fused_run(
     ids=["flat", "vbe", "vbe_output"],
 )
 @pytest.mark.parametrize("cache_rows", [64, 6], ids=["fits", "evicts"])
+@pytest.mark.parametrize("prefetch_after_forward", [False, True], ids=["prefetch_first", "prefetch_after"])
 def test_fused_step_equals_per_table_step_bit_for_bit(
-    optimizer: str, vbe: bool, use_vbe_output: bool, cache_rows: int, monkeypatch: pytest.MonkeyPatch
+    optimizer: str,
+    vbe: bool,
+    use_vbe_output: bool,
+    cache_rows: int,
+    prefetch_after_forward: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The fused host-cache step (one pooled lookup and one optimizer step over every table) gives the very
-    outputs and rows of the per-table path, also when evictions make some batches take the per-table path."""
+    outputs and rows of the per-table path, and leaves the same rows cached with the same use counts, also when
+    evictions make some batches take the per-table path or move rows between a forward and its backward."""
     runs = [
         _fused_run(
             fused=fused,
@@ -264,12 +286,14 @@ def test_fused_step_equals_per_table_step_bit_for_bit(
             optimizer=optimizer,
             cache_rows=cache_rows,
             monkeypatch=monkeypatch,
+            prefetch_after_forward=prefetch_after_forward,
         )
         for fused in (True, False)
     ]
-    (fused_out, fused_rows, taken), (plain_out, plain_rows, none) = runs
+    (fused_out, fused_rows, taken, fused_cached), (plain_out, plain_rows, none, plain_cached) = runs
     assert none == 0
     assert taken == 5 if cache_rows == 64 else 1 <= taken < 5
+    assert fused_cached == plain_cached
     for a, b in zip(fused_out, plain_out, strict=True):
         assert torch.equal(a, b)
     assert len(fused_rows) == len(plain_rows) > 0
@@ -278,3 +302,95 @@ def test_fused_step_equals_per_table_step_bit_for_bit(
         assert torch.equal(ia, ib)
         assert torch.equal(wa, wb)
         assert torch.equal(sa, sb)
+
+
+def test_prefetched_slab_rows_are_not_used_after_the_cache_was_cleared() -> None:
+    """A batch whose prefetch found every row in the slab, then a restore (which empties the caches) before its
+    forward and backward: both read and update the restored rows, as a module that never prefetched does."""
+    from ssd_tbe_adapter import KeyValueEmbeddingBags, MemoryStore, TableChunk, TableSpec
+
+    ids = torch.tensor([1, 2, 2, 5, 1, 7])
+    offsets = torch.tensor([0, 2, 3, 5, 6])  # 2 features x 2 bags
+
+    def new_module() -> KeyValueEmbeddingBags:
+        return KeyValueEmbeddingBags(
+            [TableSpec("a", 4), TableSpec("b", 4)],
+            None,
+            MemoryStore(),
+            cache_rows=16,
+            optimizer="rowwise_adagrad",
+            learning_rate=0.1,
+        )
+
+    module = new_module()
+    module.prefetch(ids, offsets)
+    module(ids, offsets).sum().backward()
+    chunks = [
+        TableChunk(table=c.table, ids=c.ids, weights=c.weights + 1.0, optimizer_state=c.optimizer_state + 0.5)
+        for c in module.checkpoint()
+    ]
+    module.prefetch(ids, offsets)
+    module.wait_prefetch()
+    batch = module._prefetcher._pending[0].future.result()
+    assert batch.slab_rows is not None  # every row was cached at the prefetch
+    module.restore(chunks)
+    out = module(ids, offsets)
+    out.backward(torch.ones_like(out))
+
+    reference = new_module()
+    reference.restore(chunks)
+    expected = reference(ids, offsets)
+    expected.backward(torch.ones_like(expected))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for a, b in zip(module.checkpoint(), reference.checkpoint(), strict=True):
+        assert a.table == b.table
+        assert torch.equal(a.ids, b.ids)
+        assert torch.equal(a.weights, b.weights)
+        assert torch.equal(a.optimizer_state, b.optimizer_state)
+    module.close()
+    reference.close()
+
+
+def test_forward_of_a_prefetched_batch_reuses_its_plan_only_for_the_same_content(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A forward whose ids, offsets and batch sizes equal a pending prefetch's (other tensors) takes that
+    prefetch's plan without planning again; other batch sizes, int32 ids or per-sample weights plan and check
+    their inputs as usual, and every forward gives the output of a module that never prefetched."""
+    from ssd_tbe_adapter import KeyValueEmbeddingBags, MemoryStore, TableSpec, _module
+
+    planned: list[int] = []
+    plan_batch_ = _plan.plan_batch
+
+    def counted(*args: object, **kwargs: object) -> tuple[_plan.Plan, torch.Tensor]:
+        planned.append(1)
+        return plan_batch_(*args, **kwargs)  # type: ignore[arg-type]  # forwarded as given
+
+    monkeypatch.setattr(_module, "plan_batch", counted)
+
+    def new_module() -> KeyValueEmbeddingBags:
+        return KeyValueEmbeddingBags(
+            [TableSpec("a", 4), TableSpec("b", 4)], None, MemoryStore(), cache_rows=16, learning_rate=0.1
+        )
+
+    module, reference = new_module(), new_module()
+    ids = torch.tensor([1, 2, 2, 5, 1, 7])
+    offsets = torch.tensor([0, 2, 3, 5, 6])
+    sizes = [[1, 1], [2, 0]]
+    cases: list[tuple[list[list[int]] | None, torch.Tensor, torch.Tensor | None, int]] = [
+        (sizes, ids, None, 0),  # same content: the prefetch's plan
+        ([[2, 0], [1, 1]], ids, None, 1),  # other per-rank sizes: planned (own layout), grouping matched
+        (sizes, ids.to(torch.int32), None, 1),  # int32 ids: planned, then matched by content
+        (sizes, ids, torch.ones(6), 1),  # per-sample weights: planned
+    ]
+    for batch_sizes, forward_ids, weights, plans in cases:
+        module.prefetch(ids.clone(), offsets.clone(), sizes)
+        planned.clear()
+        out = module(forward_ids, offsets.clone(), weights, batch_sizes)
+        assert len(planned) == plans
+        expected = reference(forward_ids, offsets.clone(), weights, batch_sizes)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert module.metrics()["forwards_without_prefetch"] == 0
+    assert module.metrics()["forwards"] == len(cases)
+    module.close()
+    reference.close()

@@ -26,10 +26,9 @@ class KVBagFunction(torch.autograd.Function):
         vbe_output: torch.Tensor | None,
         module: KeyValueEmbeddingBags,
         plan: Plan,
-        indices_device: list[torch.Tensor],
     ) -> torch.Tensor:
         del anchor
-        output, rows = module._forward_impl(plan, indices_device, per_sample_weights, vbe_output)
+        output, rows, indices_device = module._forward_impl(plan, per_sample_weights, vbe_output)
         if vbe_output is not None:
             ctx.mark_dirty(vbe_output)
         ctx.module = module
@@ -52,4 +51,4 @@ class KVBagFunction(torch.autograd.Function):
             feature_dims = [module._dims[table] for table in module._feature_table_map]
             grad_vbe = chained_input_grad(ctx.plan, grad_output, feature_dims)
         ctx.rows = None
-        return None, grad_psw, grad_vbe, None, None, None
+        return None, grad_psw, grad_vbe, None, None

@@ -6,6 +6,8 @@ under its lock.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -63,7 +65,12 @@ _MAX_USES = (1 << 22) - 1
 
 class RowSlab:
     """The slot storage of several tables' caches of one row width in one buffer each (weights, optimizer state,
-    dirty flags): table ``t``'s slot ``s`` is row ``bases[t] + s``, so one index op reaches every table's rows.
+    dirty flags, use ticks and counts): table ``t``'s slot ``s`` is row ``bases[t] + s``, so one index op reaches
+    every table's rows.
+
+    ``generation`` is bumped whenever a valid slot of any of the tables may stop holding its id (a drop or a
+    clear, see :attr:`TableCache.generation`): slab rows found for a batch at one generation still hold that
+    batch's rows while it lasts.
 
     Args:
         capacities: slots per table.
@@ -86,11 +93,24 @@ class RowSlab:
         self.weights = torch.zeros(rows, dim, dtype=weight_dtype, device=device)
         self.state = torch.zeros(rows, state_width, dtype=torch.float32, device=device)
         self.dirty = torch.zeros(rows, dtype=torch.bool)
+        self.last_used = torch.zeros(rows, dtype=torch.int64)
+        self.uses = torch.zeros(rows, dtype=torch.int64)
+        self.generation = 0
 
     def rows(self, table: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of table ``table``'s slots: ``(weights [C, D], state [C, S], dirty [C])``."""
         lo, hi = int(self.bases[table]), int(self.bases[table + 1])
         return self.weights[lo:hi], self.state[lo:hi], self.dirty[lo:hi]
+
+    def stamps(self, table: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of table ``table``'s use stamps: ``(last_used [C], uses [C])`` int64 host."""
+        lo, hi = int(self.bases[table]), int(self.bases[table + 1])
+        return self.last_used[lo:hi], self.uses[lo:hi]
+
+    def touch(self, rows: np.ndarray[Any, np.dtype[np.int64]], tick: int) -> None:
+        """:meth:`TableCache.touch` of every table at once: slab ``rows`` (unique, valid) used at ``tick``."""
+        self.last_used.numpy()[rows] = tick
+        self.uses.numpy()[rows] += 1  # unique rows: one increment each
 
 
 class TableCache:
@@ -112,6 +132,9 @@ class TableCache:
         device: where the row storage lives.
         storage: ``(weights [C, D], state [C, S], dirty [C])`` to use as the slot storage (zeroed; a
             :meth:`RowSlab.rows`), instead of tensors of its own.
+        slab: the :class:`RowSlab` that ``storage`` (given then) comes from, as table ``table``: the use stamps
+            live there too, and every drop or clear bumps its ``generation``.
+        table: this cache's table number in ``slab``.
     """
 
     aging_turnovers = 8
@@ -126,6 +149,8 @@ class TableCache:
         device: torch.device,
         *,
         storage: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        slab: RowSlab | None = None,
+        table: int = 0,
     ) -> None:
         self.capacity = capacity
         self.device = device
@@ -137,8 +162,12 @@ class TableCache:
             self.weights, self.state, self.dirty = storage
         self.slot_ids = torch.zeros(capacity, dtype=torch.int64)
         self.valid = torch.zeros(capacity, dtype=torch.bool)
-        self.last_used = torch.zeros(capacity, dtype=torch.int64)
-        self.uses = torch.zeros(capacity, dtype=torch.int64)
+        self._slab = slab
+        if slab is None:
+            self.last_used = torch.zeros(capacity, dtype=torch.int64)
+            self.uses = torch.zeros(capacity, dtype=torch.int64)
+        else:
+            self.last_used, self.uses = slab.stamps(table)
         self._evicted_since_aging = 0
         # Slots [_fresh, C) held no row since construction or clear(); _holes invalid slots lie below _fresh.
         # With no hole the free slots are known without a pass over the capacity (a cold cache's inserts).
@@ -154,6 +183,11 @@ class TableCache:
         # Slot tensors known to hold their ids (see :meth:`vouch`): ``id(slots)`` -> (slots, ids, their
         # version counters, generation). The tensors are kept alive, so an ``id`` is never reused meanwhile.
         self._vouched: dict[int, tuple[torch.Tensor, torch.Tensor, int, int, int]] = {}
+
+    def index(self) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
+        """The id index: ``(sorted_ids, sorted_slots)``, ``[V]`` int64 host each, ids ascending (read-only)."""
+        self._compact()
+        return self.sorted_ids.numpy(), self.sorted_slots.numpy()
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots of ``ids`` (``[N]`` int64, host), ``-1`` where the id is not cached; ``[N]`` int64 host."""
@@ -260,7 +294,7 @@ class TableCache:
         self.valid.index_fill_(0, slots, False)
         self.dirty.index_fill_(0, slots, False)
         self._holes += slots.numel()  # valid slots all lie below _fresh
-        self.generation += 1
+        self._bump_generation()
         self._stale = True
         if reindex:
             self._compact()
@@ -302,10 +336,15 @@ class TableCache:
         self.valid.zero_()
         self.dirty.zero_()
         self._fresh = self._holes = 0
-        self.generation += 1
+        self._bump_generation()
         self._stale = False
         self.sorted_ids = torch.zeros(0, dtype=torch.int64)
         self.sorted_slots = torch.zeros(0, dtype=torch.int64)
+
+    def _bump_generation(self) -> None:
+        self.generation += 1
+        if self._slab is not None:
+            self._slab.generation += 1
 
     def _compact(self) -> None:
         """Take the slots :meth:`drop` invalidated out of the index (one gather and two compressions)."""

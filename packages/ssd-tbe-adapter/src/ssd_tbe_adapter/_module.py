@@ -15,7 +15,10 @@ job's store read.
 The fused host-cache step: tables of one width keep their cache slots in one slab (``_cache.RowSlab``), so on
 the CPU a batch whose rows its prefetch left cached is pooled by one ``embedding_bag`` over every table and
 updated by one optimizer step (``_fused_forward``, ``_fused_backward``), with the same sums, term by term, as
-the per-table path that serves every other case. Backward applies each row's update
+the per-table path that serves every other case. The prefetch's survey finds the batch's slab rows in one pass
+over every table and stamps them in one (the use ticks and counts are slab-wide too); forward and backward use
+those rows as they are while no cached row was dropped since (the slab's generation), else check them table by
+table; a forward of the prefetched batch also takes the prefetch's plan. Backward applies each row's update
 to wherever the row lives *at backward time* (cache slot, else the store); a slot remembered from forward
 (or from the prefetch) is used only after checking that it still holds the row, so no update depends on the
 cache size or on timing.
@@ -41,7 +44,7 @@ from ssd_tbe_adapter._device_path import DevicePath
 from ssd_tbe_adapter._init import table_salt
 from ssd_tbe_adapter._layout import allocate_output, bag_grads, output_rows, place_pooled
 from ssd_tbe_adapter._optimizer import Optimizer, RowOptimizer
-from ssd_tbe_adapter._plan import Plan, device_inverse, group_batch, plan_batch
+from ssd_tbe_adapter._plan import BatchGroups, Plan, device_inverse, group_batch, plan_batch
 from ssd_tbe_adapter._prefetch import Prefetcher
 from ssd_tbe_adapter._records import RecordLayout
 from ssd_tbe_adapter._schema import check_schema, describe_store, ensure_schema
@@ -249,30 +252,43 @@ class KeyValueEmbeddingBags(nn.Module):
                 RowOptimizer(self.optimizer, self.learning_rate, self.eps),
                 self.pooling,
             )
-        plan, indices_cpu = plan_batch(
-            indices,
-            offsets,
-            per_sample_weights,
-            batch_size_per_feature_per_rank,
-            vbe_output,
-            vbe_output_offsets,
-            **self._layout_args(),
-        )
-        batch = self._prefetcher.take(indices, offsets, plan, indices_cpu)
+        taken = None
+        if (
+            not self._cuda
+            and per_sample_weights is None
+            and vbe_output is None
+            and vbe_output_offsets is None
+            and _host_int64(indices)
+            and _host_int64(offsets)
+        ):
+            # The batch of a pending prefetch, which checked and planned it already: its plan, no second one.
+            taken = self._prefetcher.take_planned(indices, offsets, batch_size_per_feature_per_rank)
+        batch: BatchGroups | None
+        if taken is not None:
+            plan, batch = taken
+        else:
+            plan, indices_cpu = plan_batch(
+                indices,
+                offsets,
+                per_sample_weights,
+                batch_size_per_feature_per_rank,
+                vbe_output,
+                vbe_output_offsets,
+                **self._layout_args(),
+            )
+            batch = self._prefetcher.take(indices, offsets, plan, indices_cpu)
         self._tier.metrics.forwards += 1
         if batch is None:
             self._tier.metrics.forwards_without_prefetch += 1
             batch = group_batch(plan, indices_cpu, self._feature_table_map)
             self._tier.count_first_look(batch.tables)
-        plan.groups = batch.tables
         plan.batch = batch
-        indices_device = device_inverse(plan, self._feature_table_map, self._device)
         psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32)
         if torch.is_grad_enabled():
             # autograd.Function.apply is untyped in torch's stubs.
-            result = KVBagFunction.apply(self._anchor, psw, vbe_output, self, plan, indices_device)  # type: ignore[no-untyped-call]
+            result = KVBagFunction.apply(self._anchor, psw, vbe_output, self, plan)  # type: ignore[no-untyped-call]
             return cast(torch.Tensor, result)
-        output, _ = self._forward_impl(plan, indices_device, psw, vbe_output)
+        output, _, _ = self._forward_impl(plan, psw, vbe_output)
         return output
 
     def prefetch(
@@ -315,7 +331,9 @@ class KeyValueEmbeddingBags(nn.Module):
             indices, offsets, None, batch_size_per_feature_per_rank, None, None, **self._layout_args()
         )
         stream = torch.cuda.current_stream(self._device) if self._cuda else None
-        self._prefetcher.submit(plan, indices, offsets, indices_cpu, stream, self.read_threads)
+        self._prefetcher.submit(
+            plan, indices, offsets, indices_cpu, stream, self.read_threads, batch_size_per_feature_per_rank
+        )
         self._tier.metrics.prefetches += 1
 
     def complete_prefetch(self) -> None:
@@ -659,19 +677,26 @@ class KeyValueEmbeddingBags(nn.Module):
     def _forward_impl(
         self,
         plan: Plan,
-        indices_device: list[torch.Tensor],
         per_sample_weights: torch.Tensor | None,
         vbe_output: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor | None]]:
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor | None], list[torch.Tensor]]:
+        """The pooled output of ``plan`` (its ``batch`` set), the rows copied out per table (for backward) and
+        each feature's lookups into its table's unique rows on the device (none for the fused step)."""
         fused = self._fused_forward(plan, per_sample_weights, vbe_output)
         if fused is not None:
-            return fused, {}
+            return fused, {}, []
+        batch = plan.batch
+        assert batch is not None  # set by forward
+        plan.groups = batch.tables
+        indices_device = device_inverse(plan, self._feature_table_map, self._device)
         # Rows are copied out of the cache only where needed: tables with misses (scratch rows), fp16 weights
         # (pooled in float32) and a per-sample-weight gradient (backward reads the forward's rows). Otherwise
         # the lookups are mapped to cache slots and pooled straight from the cache.
         need_rows = per_sample_weights is not None and per_sample_weights.requires_grad
         rows = {
-            table: self._tier.gather(table, group.unique, plan.slots, need_rows, group.slots)
+            table: self._tier.gather(
+                table, group.unique, plan.slots, need_rows, self._prior_slots(batch, table)
+            )
             for table, group in plan.groups.items()
         }
         slots_device = {
@@ -697,7 +722,12 @@ class KeyValueEmbeddingBags(nn.Module):
                 pooled = self._pool(plan, feature, offsets_device, lookups, table_rows, per_sample_weights)
                 place_pooled(plan, output, feature, column, pooled)
             column += dim
-        return output, rows
+        return output, rows, indices_device
+
+    def _prior_slots(self, batch: BatchGroups, table: int) -> torch.Tensor | None:
+        """The slots the prefetch left table ``table``'s rows of ``batch`` in (``[U_t]`` int64 host), if it
+        left them all cached: its own, or the table's part of the slab rows (checked before use either way)."""
+        return self._tier.table_slots(batch, batch.names.index(table))
 
     def _fused_forward(
         self, plan: Plan, per_sample_weights: torch.Tensor | None, vbe_output: torch.Tensor | None
@@ -853,3 +883,14 @@ class KeyValueEmbeddingBags(nn.Module):
                 grad_rows = source.new_zeros(0, source.shape[1])
             self._tier.apply_update(table, group.unique, grad_rows, optimizer, plan.slots.get(table))
         return grad_psw
+
+
+def _host_int64(tensor: object) -> bool:
+    """Whether ``tensor`` is a 1-D int64 CPU tensor (a forward's ``indices`` or ``offsets`` as its prefetch keeps
+    them, so equal content means the same batch)."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.dtype == torch.int64
+        and tensor.dim() == 1
+        and tensor.device.type == "cpu"
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,24 +43,95 @@ class TableGroup:
     order: torch.Tensor  # [N_t] int64 host: lookups of the table (features concatenated) by unique row
     sorted_bags: torch.Tensor  # [N_t] int64 host: bag (over the table's features) of each sorted lookup
     row_offsets: torch.Tensor  # [U + 1] int64 host: lookups of unique row u are order[ro[u]:ro[u+1]]
-    # [U] int64 host: the cache slot of each unique row when its prefetch left every row cached (forward
-    # checks that each slot still holds its id before using them)
-    slots: torch.Tensor | None = None
 
 
-@dataclass(slots=True)
 class BatchGroups:
     """:class:`TableGroup` of every table of one batch, and the same grouping over all tables at once.
 
-    The batch-wide arrays number the unique rows of every table together, in the order of ``tables``
-    (table ascending, then id: table ``t``'s rows are a contiguous run), so one pooled lookup and one
-    transpose serve all tables (the fused host-cache step of ``_module``). All host int64.
+    The batch-wide arrays number the unique rows of every table together, in table order (table ascending, then
+    id: table ``t``'s rows are a contiguous run), so one pooled lookup and one transpose serve all tables (the
+    fused host-cache step of ``_module``). All host int64. The per-table groups (:attr:`tables`) are built on
+    first use only: the fused step needs none of them, only each table's run of unique ids (:meth:`unique_of`).
+
+    Attributes:
+        names: the tables present in the batch, ascending.
+        unique: ``[U]`` every table's unique ids, table after table (ascending within a table).
+        bounds: per table of ``names``, its run ``(lo, hi)`` in ``unique``.
+        inverse: ``[N]`` each lookup's row among all tables' unique rows.
+        sorted_bags: ``[N]`` the bag (over the whole batch) of each lookup, sorted by unique row.
+        row_offsets: ``[U + 1]`` lookups of unique row ``u`` are ``sorted_bags[ro[u]:ro[u+1]]``.
+        slots: per table whose rows were all cached after its prefetch: their cache slots (``[U_t]`` int64 host,
+            in ``unique_of(table)`` order; forward checks that each slot still holds its id before using them).
+        slab_rows: ``[U]`` int64 host, the slab row of every unique row when the prefetch's survey found them
+            all cached in the tier's slab (``None`` otherwise), valid while the slab's ``generation`` is still
+            :attr:`slab_generation` (no cached row was dropped since).
     """
 
-    tables: dict[int, TableGroup]  # per table present in the batch, ascending
-    inverse: torch.Tensor  # [N]: each lookup's row among all tables' unique rows
-    sorted_bags: torch.Tensor  # [N]: the bag (over the whole batch) of each lookup, sorted by unique row
-    row_offsets: torch.Tensor  # [U + 1]: lookups of unique row u are sorted_bags[ro[u]:ro[u+1]]
+    __slots__ = (
+        "_build",
+        "_tables",
+        "_unique_of",
+        "bounds",
+        "inverse",
+        "names",
+        "row_offsets",
+        "slab_generation",
+        "slab_rows",
+        "slots",
+        "sorted_bags",
+        "unique",
+    )
+
+    def __init__(
+        self,
+        *,
+        names: list[int],
+        unique: np.ndarray[Any, np.dtype[np.int64]],
+        bounds: list[tuple[int, int]],
+        inverse: torch.Tensor,
+        sorted_bags: torch.Tensor,
+        row_offsets: torch.Tensor,
+        build: Callable[[], dict[int, TableGroup]],
+    ) -> None:
+        self.names = names
+        self.unique = unique
+        self.bounds = bounds
+        self.inverse = inverse
+        self.sorted_bags = sorted_bags
+        self.row_offsets = row_offsets
+        self.slots: dict[int, torch.Tensor] = {}
+        self.slab_rows: np.ndarray[Any, np.dtype[np.int64]] | None = None
+        self.slab_generation = -1
+        self._build: Callable[[], dict[int, TableGroup]] | None = build
+        self._tables: dict[int, TableGroup] | None = None
+        self._unique_of: list[torch.Tensor | None] = [None] * len(names)
+
+    @property
+    def tables(self) -> dict[int, TableGroup]:
+        """Per table present in the batch (ascending), its :class:`TableGroup` (built at the first access)."""
+        if self._tables is None:
+            build = self._build
+            assert build is not None  # set until the first build
+            self._tables = build()
+            self._build = None
+            for position, ids in enumerate(self._unique_of):  # one tensor per table's ids, as before
+                if ids is not None:
+                    self._tables[self.names[position]].unique = ids
+        return self._tables
+
+    def unique_of(self, position: int) -> torch.Tensor:
+        """The unique ids (``[U_t]`` int64 host, ascending) of table ``names[position]`` (one tensor per table and
+        batch, so the slots vouched for it are recognised: :meth:`TableCache.holds`)."""
+        ids = self._unique_of[position]
+        if ids is None:
+            tables = self._tables
+            if tables is not None:
+                ids = tables[self.names[position]].unique
+            else:
+                lo, hi = self.bounds[position]
+                ids = torch.from_numpy(self.unique[lo:hi])
+            self._unique_of[position] = ids
+        return ids
 
 
 @dataclass(slots=True)
@@ -325,6 +396,13 @@ class _GroupLayout:
     lookup_lo: np.ndarray[Any, np.dtype[np.int64]]  # per table of `names`: its lookups in the sorted batch
     lookup_hi: np.ndarray[Any, np.dtype[np.int64]]
     table_lookups: np.ndarray[Any, np.dtype[np.int64]]  # lookup_hi - lookup_lo
+    table_starts: np.ndarray[Any, np.dtype[np.int64]]  # lookup_lo of the tables with lookups
+    table_bounds: np.ndarray[Any, np.dtype[np.int64]]  # lookup_lo then lookup_hi
+    # The (table, position) part of :func:`sort_with_order`'s keys, ``table << (id_bits + position_bits) |
+    # position`` ([N]), so a batch adds only its ids (``None`` when fewer than 2 lookups or no id bits are left).
+    sort_base: np.ndarray[Any, np.dtype[np.int64]] | None
+    id_bits: int
+    position_bits: int
 
     @property
     def size(self) -> int:
@@ -364,21 +442,55 @@ def _group_layout(
     sizes = np.array([table_lookups[table] for table in names], dtype=np.int64)
     lookup_hi = np.cumsum(sizes)
     bag = np.repeat(np.arange(total_bags, dtype=np.int64), lengths)[:n]
+    lookup_tables = np.repeat(tables, counts)
+    num_groups = int(tables.max()) + 1 if num_features else 1
+    lookup_lo = lookup_hi - sizes
+    # sort_with_order's key layout for this batch size and table count.
+    position_bits = (n - 1).bit_length() if n else 0
+    id_bits = 63 - position_bits - (num_groups - 1).bit_length()
+    sort_base = None
+    if n >= 2 and id_bits > 0:
+        sort_base = lookup_tables << (id_bits + position_bits)
+        sort_base |= np.arange(n, dtype=np.int64)
     return _GroupLayout(
         offsets=offsets.copy(),
         first=int(bounds[0]),
         counts=counts.tolist(),
-        tables=np.repeat(tables, counts),
+        tables=lookup_tables,
         local_position=np.arange(n, dtype=np.int64) - np.repeat(lookup_shift, counts),
         local_bag=bag - np.repeat(bag_shift, counts),
         bag=bag,
-        num_groups=int(tables.max()) + 1 if num_features else 1,
+        num_groups=num_groups,
         names=names,
         features=features,
-        lookup_lo=lookup_hi - sizes,
+        lookup_lo=lookup_lo,
         lookup_hi=lookup_hi,
         table_lookups=sizes,
+        table_starts=lookup_lo[sizes > 0],
+        table_bounds=np.concatenate([lookup_lo, lookup_hi]),
+        sort_base=sort_base,
+        id_bits=id_bits,
+        position_bits=position_bits,
     )
+
+
+def _sort_batch(
+    layout: _GroupLayout, ids: np.ndarray[Any, np.dtype[np.int64]]
+) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
+    """``sort_with_order(ids, layout.tables, layout.num_groups)``, the same keys, with the layout's part of them
+    computed once per layout."""
+    base = layout.sort_base
+    if base is None:
+        return sort_with_order(ids, layout.tables, layout.num_groups)
+    low, high = int(ids.min()), int(ids.max())
+    if (high - low) >> layout.id_bits:
+        return sort_with_order(ids, layout.tables, layout.num_groups)
+    keys = ids - low
+    keys <<= layout.position_bits
+    keys |= base
+    keys.sort()
+    order = keys & ((1 << layout.position_bits) - 1)
+    return order, ids[order]
 
 
 class _GroupLayouts:
@@ -413,7 +525,7 @@ class _GroupLayouts:
         return layout
 
 
-# About 60 MB of layouts at most (seven int64 arrays per lookup).
+# About 70 MB of layouts at most (eight int64 arrays per lookup, with the sort keys' layout part).
 _LAYOUTS = _GroupLayouts(1 << 20)
 
 
@@ -422,59 +534,68 @@ def group_batch(plan: Plan, indices_cpu: torch.Tensor, feature_table_map: Sequen
     the same over all tables at once (see :class:`BatchGroups`).
 
     One sort of every lookup of the batch by ``(table, id)`` gives all tables' unique ids, inverses and
-    transposes together (numpy over the whole batch); per table only slices of the results are taken, so the
-    host work per batch does not grow with the number of tables (no per-row or per-table array pass). What
+    transposes together (numpy over the whole batch). Here only the batch-wide arrays are made; the per-table
+    groups are slices and shifts of the same results, taken when :attr:`BatchGroups.tables` is first read, so
+    the host work per batch does not grow with the number of tables (no per-row or per-table array pass). What
     depends on the bag layout and offsets alone is computed once per layout (:class:`_GroupLayouts`).
     """
     layout = _LAYOUTS.get(plan, feature_table_map)
     n = layout.tables.shape[0]
     ids = indices_cpu.numpy()[layout.first : layout.first + n]
     # The order within one (table, id) does not matter (it only orders the terms of that row's gradient sum).
-    order, sorted_ids = sort_with_order(ids, layout.tables, layout.num_groups)
+    order, sorted_ids = _sort_batch(layout, ids)
     is_first = np.empty(n + 1, dtype=np.bool_)
     if n:
         is_first[0] = True
         np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=is_first[1:n])
-        is_first[layout.lookup_lo[layout.table_lookups > 0]] = True  # a table's first lookup
+        is_first[layout.table_starts] = True  # a table's first lookup
     is_first[n] = True  # past the end: `starts` ends with n
     starts = np.flatnonzero(is_first)
     unique_ids = sorted_ids[starts[:-1]]
     # firsts[p]: unique rows among the sorted lookups before p.
     firsts = np.cumsum(is_first, dtype=np.int64)
     firsts -= is_first
-    unique_lo = firsts[layout.lookup_lo]
-    unique_hi = firsts[layout.lookup_hi]
-    # Position of each sorted lookup's row among all unique rows, then among its table's unique rows.
+    unique_bounds = firsts[layout.table_bounds].tolist()
+    unique_lo, unique_hi = unique_bounds[: len(layout.names)], unique_bounds[len(layout.names) :]
+    # Position of each sorted lookup's row among all unique rows.
     rank = firsts[1 : n + 1] - 1
     batch_inverse = np.empty(n, dtype=np.int64)
     batch_inverse[order] = rank
-    rank -= np.repeat(unique_lo, layout.table_lookups)
-    inverse_np = np.empty(n, dtype=np.int64)
-    inverse_np[order] = rank
-    inverse = torch.from_numpy(inverse_np).split_with_sizes(layout.counts)
-    sorted_local = layout.local_position[order]
-    sorted_bags = layout.local_bag[order]
-    groups: dict[int, TableGroup] = {}
-    for i, table in enumerate(layout.names):
-        lo, hi, u_lo, u_hi = (
-            int(layout.lookup_lo[i]),
-            int(layout.lookup_hi[i]),
-            int(unique_lo[i]),
-            int(unique_hi[i]),
-        )
-        groups[table] = TableGroup(
-            unique=torch.from_numpy(unique_ids[u_lo:u_hi]),
-            inverse=[inverse[feature] for feature in layout.features[table]],
-            order=torch.from_numpy(sorted_local[lo:hi]),
-            sorted_bags=torch.from_numpy(sorted_bags[lo:hi]),
-            # starts[u_hi] is the next table's first lookup (hi), or n after the last table.
-            row_offsets=torch.from_numpy(starts[u_lo : u_hi + 1] - lo),
-        )
+
+    def build() -> dict[int, TableGroup]:
+        # Then among its table's unique rows.
+        local = rank - np.repeat(np.asarray(unique_lo, dtype=np.int64), layout.table_lookups)
+        inverse_np = np.empty(n, dtype=np.int64)
+        inverse_np[order] = local
+        inverse = torch.from_numpy(inverse_np).split_with_sizes(layout.counts)
+        sorted_local = layout.local_position[order]
+        sorted_bags = layout.local_bag[order]
+        groups: dict[int, TableGroup] = {}
+        for i, table in enumerate(layout.names):
+            lo, hi, u_lo, u_hi = (
+                int(layout.lookup_lo[i]),
+                int(layout.lookup_hi[i]),
+                unique_lo[i],
+                unique_hi[i],
+            )
+            groups[table] = TableGroup(
+                unique=torch.from_numpy(unique_ids[u_lo:u_hi]),
+                inverse=[inverse[feature] for feature in layout.features[table]],
+                order=torch.from_numpy(sorted_local[lo:hi]),
+                sorted_bags=torch.from_numpy(sorted_bags[lo:hi]),
+                # starts[u_hi] is the next table's first lookup (hi), or n after the last table.
+                row_offsets=torch.from_numpy(starts[u_lo : u_hi + 1] - lo),
+            )
+        return groups
+
     return BatchGroups(
-        tables=groups,
+        names=layout.names,
+        unique=unique_ids,
+        bounds=list(zip(unique_lo, unique_hi, strict=True)),
         inverse=torch.from_numpy(batch_inverse),
         sorted_bags=torch.from_numpy(layout.bag[order]),
         row_offsets=torch.from_numpy(starts),
+        build=build,
     )
 
 

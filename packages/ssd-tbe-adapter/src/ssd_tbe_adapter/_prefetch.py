@@ -50,6 +50,8 @@ class _Pending:
     num_bags: list[int]
     future: Future[BatchGroups]
     job: int  # sequence number of the prefetch job
+    plan: Plan  # the job's plan (no per-sample weights, no ``vbe_output``)
+    batch_sizes: list[list[int]] | None  # the VBE batch sizes prefetch was called with
 
     def matches(
         self, indices: torch.Tensor, offsets: torch.Tensor, plan: Plan, indices_cpu: torch.Tensor
@@ -64,6 +66,16 @@ class _Pending:
         ):
             return True
         return torch.equal(self.indices_cpu, indices_cpu) and torch.equal(self.offsets_cpu, plan.offsets)
+
+    def same_batch(
+        self, indices: torch.Tensor, offsets: torch.Tensor, batch_sizes: list[list[int]] | None
+    ) -> bool:
+        """Whether ``indices`` / ``offsets`` (1-D int64 host) and ``batch_sizes`` are this job's batch."""
+        return (
+            self.batch_sizes == batch_sizes
+            and torch.equal(self.offsets_cpu, offsets)
+            and torch.equal(self.indices_cpu, indices)
+        )
 
 
 def _versions(indices: torch.Tensor, offsets: torch.Tensor) -> tuple[int, int]:
@@ -124,8 +136,10 @@ class Prefetcher:
         indices_cpu: torch.Tensor,
         stream: Any,
         read_threads: int,
+        batch_sizes: list[list[int]] | None = None,
     ) -> None:
-        """Queue a job for the batch of ``plan`` (``indices``/``offsets``: what prefetch was called with).
+        """Queue a job for the batch of ``plan`` (``indices``/``offsets``/``batch_sizes``: what prefetch was
+        called with).
 
         The threads start at the first job; ``read_threads`` sizes the reader pool then.
         """
@@ -151,6 +165,8 @@ class Prefetcher:
                 num_bags=list(plan.num_bags),
                 future=future,
                 job=job,
+                plan=plan,
+                batch_sizes=None if batch_sizes is None else [list(row) for row in batch_sizes],
             )
         )
         while len(self._pending) > _MAX_PENDING:
@@ -185,6 +201,32 @@ class Prefetcher:
             with tier.lock:
                 tier.batch_tick = tier.tick + 1  # this forward's own ticks
             return None
+        return self._take_at(match)
+
+    def take_planned(
+        self, indices: torch.Tensor, offsets: torch.Tensor, batch_sizes: list[list[int]] | None
+    ) -> tuple[Plan, BatchGroups] | None:
+        """:meth:`take` for a forward without per-sample weights or ``vbe_output`` whose ``indices`` and
+        ``offsets`` are 1-D int64 host tensors: the pending prefetch of the same ids, offsets and batch sizes
+        (content; it checked them when it planned the batch) with its plan, so the forward plans nothing.
+        ``None``, with nothing changed, when no pending prefetch is of this batch (the forward then plans and
+        checks its inputs, and calls :meth:`take`)."""
+        match = next(
+            (
+                position
+                for position, pending in enumerate(self._pending)
+                if pending.same_batch(indices, offsets, batch_sizes)
+            ),
+            None,
+        )
+        if match is None:
+            return None
+        plan = self._pending[match].plan
+        return plan, self._take_at(match)
+
+    def _take_at(self, match: int) -> BatchGroups:
+        """Retire the pending jobs before position ``match``, then wait for that one and hand its batch over."""
+        tier = self._tier
         for _ in range(match):  # prefetched batches that never came
             self._retire(self._pending.popleft())
         pending = self._pending.popleft()
@@ -221,30 +263,54 @@ class Prefetcher:
 
     def _survey(self, plan: Plan, indices_cpu: torch.Tensor, job: int) -> tuple[BatchGroups, _Misses | None]:
         """A job's first half: group the batch, count its hits, protect its cached rows; its misses, if any
-        (then the tier is marked in flight until :meth:`_fetch` ends)."""
+        (then the tier is marked in flight until :meth:`_fetch` ends).
+
+        With the slab (tables of one width), the batch's rows are looked up and, when all are cached, stamped
+        over all tables at once, and their slab rows kept for the forward and backward (``slab_rows``)."""
         tier = self._tier
         batch = group_batch(plan, indices_cpu, self._feature_table_map)
-        groups = batch.tables
+        slab = tier.slab
         misses: dict[int, torch.Tensor] = {}
         with tier.lock:
             tick = tier.next_tick()
             tier.job_ticks[job] = tick
+            rows = None
+            if slab is not None:
+                rows = tier.lookup_batch(batch)
+                hit_rows = rows >= 0
+                n_hit = int(np.count_nonzero(hit_rows))
+                tier.metrics.lookups += rows.shape[0]
+                tier.metrics.hits += n_hit
+                if n_hit == rows.shape[0]:
+                    slab.touch(rows, tick)
+                    batch.slab_rows = rows
+                    batch.slab_generation = slab.generation
+                    return batch, None
             first_slots: dict[int, torch.Tensor] = {}
             fills: dict[int, int] = {}
-            for table, group in groups.items():
+            for position, table in enumerate(batch.names):
                 cache = tier.caches[table]
-                slots = cache.lookup(group.unique)
+                unique = batch.unique_of(position)
+                if rows is None:
+                    slots = cache.lookup(unique)
+                    tier.metrics.lookups += unique.numel()
+                else:  # the slab rows found above, as this table's slots
+                    assert slab is not None
+                    lo, hi = batch.bounds[position]
+                    slots_np = rows[lo:hi] - slab.bases[table]
+                    slots_np[rows[lo:hi] < 0] = -1
+                    slots = torch.from_numpy(slots_np)
                 hit = slots.numpy() >= 0
                 n_hit = int(np.count_nonzero(hit))
-                tier.metrics.lookups += group.unique.numel()
-                tier.metrics.hits += n_hit
-                if n_hit == group.unique.numel():
+                if rows is None:
+                    tier.metrics.hits += n_hit
+                if n_hit == unique.numel():
                     cache.touch(slots, tick)
-                    cache.vouch(slots, group.unique)
-                    group.slots = slots
+                    cache.vouch(slots, unique)
+                    batch.slots[table] = slots
                 else:
                     cache.touch(torch.from_numpy(slots.numpy()[hit]), tick)
-                    misses[table] = torch.from_numpy(group.unique.numpy()[~hit])
+                    misses[table] = torch.from_numpy(unique.numpy()[~hit])
                     first_slots[table] = slots
                     fills[table] = cache.fills
             if not misses:
@@ -257,7 +323,6 @@ class Prefetcher:
     def _fetch(self, batch: BatchGroups, misses: _Misses, stream: Any) -> BatchGroups:
         """A job's second half: read the misses :meth:`_survey` found and insert them."""
         tier = self._tier
-        groups = batch.tables
         first_slots, fills, epoch, tick = misses.first_slots, misses.fills, misses.epoch, misses.tick
         readers = self._readers
         assert readers is not None
@@ -298,7 +363,7 @@ class Prefetcher:
                         tier.metrics.prefetched_rows += inserted_slots.numel()
                         if complete and inserted_slots.numel() == ids.numel():
                             slots = first_slots[table]
-                            groups[table].slots = slots.index_copy(
+                            batch.slots[table] = slots.index_copy(
                                 0, (slots < 0).nonzero().flatten(), inserted_slots
                             )
                         if tier.cuda:

@@ -71,6 +71,8 @@ class CacheTier:
                 layout.state_width,
                 device,
                 storage=None if self.slab is None else self.slab.rows(table),
+                slab=self.slab,
+                table=table,
             )
             for table, (capacity, dim) in enumerate(zip(capacities, layout.dims, strict=True))
         ]
@@ -194,11 +196,53 @@ class CacheTier:
             self.record_main_event()
         return rows
 
+    def lookup_batch(self, batch: BatchGroups) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The slab row of every unique row of ``batch`` (``[U]`` int64 host, in ``batch`` order), ``-1`` where
+        the row is not cached: one index search per table, the rest batch-wide. Slab only; lock held."""
+        slab = self.slab
+        assert slab is not None
+        unique = batch.unique
+        rows = np.empty(unique.shape[0], dtype=np.int64)
+        found = np.empty(unique.shape[0], dtype=np.int64)  # the id at each row's index position
+        for table, (lo, hi) in zip(batch.names, batch.bounds, strict=True):
+            if lo == hi:
+                continue
+            sorted_ids, sorted_slots = self.caches[table].index()
+            n = sorted_ids.shape[0]
+            if n == 0:
+                rows[lo:hi] = -1
+                np.bitwise_xor(unique[lo:hi], 1, out=found[lo:hi])  # differs from every id
+                continue
+            # numpy's searchsorted is much faster than torch's on the (ascending) query ids; fancy indexing
+            # than np.take(out=...), which buffers.
+            position = np.searchsorted(sorted_ids, unique[lo:hi])
+            np.minimum(position, n - 1, out=position)
+            found[lo:hi] = sorted_ids[position]
+            rows[lo:hi] = sorted_slots[position] + int(slab.bases[table])
+        rows[found != unique] = -1
+        return rows
+
+    def table_slots(self, batch: BatchGroups, position: int) -> torch.Tensor | None:
+        """The slots (``[U_t]`` int64 host) the prefetch left the rows of table ``batch.names[position]`` in, if it
+        left them all cached: the table's own (``batch.slots``), else its part of ``batch.slab_rows`` (then kept
+        in ``batch.slots``). Not checked: :meth:`TableCache.holds` tells whether they still hold the rows."""
+        table = batch.names[position]
+        slots = batch.slots.get(table)
+        if slots is None and batch.slab_rows is not None and self.slab is not None:
+            lo, hi = batch.bounds[position]
+            slots = torch.from_numpy(batch.slab_rows[lo:hi] - int(self.slab.bases[table]))
+            batch.slots[table] = slots
+        return slots
+
     def gather_batch(self, batch: BatchGroups, hints: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """The slab slot (``[U]`` int64 host, in ``batch`` order) of every unique row of the batch when each
-        table's rows are still in the slots its prefetch left them in (``TableGroup.slots``), with the use
-        ticks, counters and ``hints`` that :meth:`gather` per table (in table order) would leave; else
-        ``None`` and nothing changed (the caller gathers per table).
+        table's rows are still in the slots its prefetch left them in, with the use ticks and counters that
+        :meth:`gather` per table would leave; else ``None`` and nothing changed (the caller gathers per table).
+
+        When the prefetch's survey found every row in the slab (``batch.slab_rows``) and no cached row was
+        dropped since (the slab's generation), those rows are used as they are: one stamp pass over the slab.
+        Otherwise each table's slots (:meth:`table_slots`) are checked (:meth:`TableCache.holds`) and recorded in
+        ``hints`` for backward.
 
         One call for every table: the forward pools all tables straight from the slab (float32 rows only).
         """
@@ -207,20 +251,29 @@ class CacheTier:
             return None
         with self.lock:
             self.wait_insert_event()
-            for table, group in batch.tables.items():
-                if group.slots is None or not self.caches[table].holds(group.slots, group.unique):
+            rows = batch.slab_rows
+            if rows is not None and batch.slab_generation == slab.generation:
+                # One tick for every table: ticks are compared only within a table, and every other event's
+                # tick falls before or after all of this forward's either way.
+                slab.touch(rows, self.next_tick())
+                self.metrics.forward_lookups += rows.shape[0]
+                self.metrics.forward_hits += rows.shape[0]
+                self.record_main_event()
+                return torch.from_numpy(rows)
+            for position, table in enumerate(batch.names):
+                slots = self.table_slots(batch, position)
+                if slots is None or not self.caches[table].holds(slots, batch.unique_of(position)):
                     return None
             parts: list[np.ndarray[Any, np.dtype[np.int64]]] = []
-            rows = 0
-            for table, group in batch.tables.items():
-                slots = group.slots
-                assert slots is not None  # checked above
+            count = 0
+            for table in batch.names:
+                slots = batch.slots[table]
                 self.caches[table].touch(slots, self.next_tick())
                 hints[table] = slots
                 parts.append(slots.numpy() + slab.bases[table])
-                rows += slots.numel()
-            self.metrics.forward_lookups += rows
-            self.metrics.forward_hits += rows
+                count += slots.numel()
+            self.metrics.forward_lookups += count
+            self.metrics.forward_hits += count
             self.record_main_event()
         return torch.from_numpy(np.concatenate(parts) if len(parts) != 1 else parts[0])
 
@@ -241,20 +294,25 @@ class CacheTier:
         assert slab is not None  # gather_batch gave the slots
         with self.lock:
             self.wait_insert_event()
-            if all(
-                group.slots is not None and self.caches[table].holds(group.slots, group.unique)
-                for table, group in batch.tables.items()
+            slots_np = slots.numpy()
+            # Rows found at the survey and no row dropped since: they are the forward's slots, still there.
+            # Else the forward's slots, table by table (:meth:`table_slots`: those it took them from).
+            if (batch.slab_rows is not None and batch.slab_generation == slab.generation) or all(
+                (table_slots := self.table_slots(batch, position)) is not None
+                and self.caches[table].holds(table_slots, batch.unique_of(position))
+                for position, table in enumerate(batch.names)
             ):
                 if slots.numel():
                     optimizer.step_in_place(slab, slots.to(self.device, non_blocking=True), grads)
-                    slab.dirty.numpy()[slots.numpy()] = True
+                    slab.dirty.numpy()[slots_np] = True
                 self.record_main_event()
                 return
-            start = 0
-            for table, group in batch.tables.items():
-                count = group.unique.numel()
-                self.apply_update(table, group.unique, grads[start : start + count], optimizer, group.slots)
-                start += count
+            # Some row moved since forward: each table's rows wherever they are now (the forward's slots as
+            # hints, each checked before use).
+            for position, table in enumerate(batch.names):
+                lo, hi = batch.bounds[position]
+                hint = self.table_slots(batch, position)
+                self.apply_update(table, batch.unique_of(position), grads[lo:hi], optimizer, hint)
 
     def apply_update(
         self,
