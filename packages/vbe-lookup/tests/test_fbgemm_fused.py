@@ -200,7 +200,7 @@ def _check_paths_agree(records: dict[str, dict[str, Any]]) -> None:
     assert all(r is None or r == "unfused: fuse_kernels=False" for r in records["unfused"]["fusion"])
     for path in ("unfused", "module"):
         for key in ("outputs", "weight_grads", "state"):
-            torch.testing.assert_close(fused[key], records[path][key], msg=lambda m: f"{path} {key}: {m}")
+            torch.testing.assert_close(fused[key], records[path][key], msg=f"{path} {key}")
         assert fused["steps"] == records[path]["steps"]
 
 
@@ -266,10 +266,12 @@ def _pair(device: str) -> tuple[GroupedVBELookup, list[Any], GroupedVBELookup, l
     """A fused lookup and an unfused reference over identical TBEs."""
     fused_tbes, reference_tbes = _three_tbes(device), _three_tbes(device)
     fused = _lookup(
-        [KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(fused_tbes, KEYS)], "fused"
+        [KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(fused_tbes, KEYS, strict=True)],
+        "fused",
     )
     reference = _lookup(
-        [KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(reference_tbes, KEYS)], "unfused"
+        [KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(reference_tbes, KEYS, strict=True)],
+        "unfused",
     )
     return fused, fused_tbes, reference, reference_tbes
 
@@ -364,7 +366,8 @@ def test_state_dict_round_trip(device: str) -> None:
     state = fused.state_dict()
     fresh_tbes = _three_tbes(device, seed=7)
     fresh = _lookup(
-        [KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(fresh_tbes, KEYS)], "fused"
+        [KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(fresh_tbes, KEYS, strict=True)],
+        "fused",
     )
     assert fresh._fusion is not None
     call = fresh._fusion.calls[(0, 1, 2)]
@@ -380,7 +383,8 @@ def test_state_dict_round_trip(device: str) -> None:
     assert fresh._fusion.calls[(0, 1, 2)] is call  # loaded in place into the fused rows
     unfused_tbes = _three_tbes(device, seed=8)
     unfused = _lookup(
-        [KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(unfused_tbes, KEYS)], "unfused"
+        [KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(unfused_tbes, KEYS, strict=True)],
+        "unfused",
     )
     unfused.load_state_dict(fresh.state_dict())
     for t in unfused_tbes:
@@ -428,7 +432,8 @@ def test_fusion_across_other_groups_in_batch_major(device: str) -> None:
             _fbgemm.new_tbe([15], [12], optimizer="rowwise_adagrad", learning_rate=0.1, device=device),
         ]
         groups = [
-            KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(tbes, [["a", "b"], ["c"], ["d"]])
+            KernelGroup(t, k, _fbgemm.tbe_feature_dims(t))
+            for t, k in zip(tbes, [["a", "b"], ["c"], ["d"]], strict=True)
         ]
         return _lookup(groups, path), tbes
 
@@ -446,6 +451,7 @@ def test_fusion_across_other_groups_in_batch_major(device: str) -> None:
         grad = torch.linspace(-1, 1, 4 * 40, device=device).view(4, 40)
         outs = {}
         for path, (lookup, _) in lookups.items():
+            batch_major: torch.Tensor | None
             if path == "module":  # fbgemm's module has no call without VBE: its VBE output of one rank is
                 dims = [8, 4, 16, 12]  # each feature's [4, dim] rows, one feature after the other
                 blocks = lookup(features).values().split([4 * d for d in dims])
@@ -454,7 +460,7 @@ def test_fusion_across_other_groups_in_batch_major(device: str) -> None:
                 batch_major = lookup._batch_major(features)
             assert batch_major is not None
             assert batch_major.shape == (4, 40)
-            (batch_major * grad).sum().backward()
+            torch.autograd.backward((batch_major * grad).sum())
             outs[path] = batch_major.detach().cpu()
         for path in ("unfused", "module"):
             torch.testing.assert_close(outs["fused"], outs[path])
@@ -464,7 +470,7 @@ def test_fusion_across_other_groups_in_batch_major(device: str) -> None:
 def test_fuse_kernels_off_and_legacy_keep_one_call_per_tbe() -> None:
     """``fuse_kernels=False`` and ``merge="legacy"`` call every TBE on its own and say so."""
     tbes = _three_tbes("cpu")
-    groups = [KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(tbes, KEYS)]
+    groups = [KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(tbes, KEYS, strict=True)]
     off = GroupedVBELookup(groups, fuse_kernels=False)
     assert off._fusion is None
     assert off.fbgemm_fusion == ("unfused: fuse_kernels=False",) * 3

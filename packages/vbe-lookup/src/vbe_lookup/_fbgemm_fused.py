@@ -38,7 +38,6 @@ from vbe_lookup._fbgemm_direct import (
     LayoutArgs,
     _bounds_check,
     _ids,
-    _reader,
     _uniform,
     _vbe_order,
     invoke_op,
@@ -136,7 +135,6 @@ class FusedTBE:
         "_keywords",
         "_merged",
         "_momentum",
-        "_read_bound",
         "_rows",
         "_rows_per_table",
         "_schema_order",
@@ -165,7 +163,7 @@ class FusedTBE:
         # One buffer per merged state tensor, each kernel's range re-bound as a view of it (the module keeps its
         # tensor objects; only their storage changes), and the per-feature offsets into it.
         merged: list[torch.Tensor] = []
-        bound: list[torch.Tensor] = []
+        bound: list[tuple[Any, str, torch.Tensor]] = []
         offsets: list[torch.Tensor] = []
         placements: list[torch.Tensor] = []
         with torch.no_grad():
@@ -178,17 +176,15 @@ class FusedTBE:
                 for k, part in zip(kernels, parts, strict=True):
                     n = part.numel()
                     part.data = buffer[start : start + n]
+                    bound.append((k, name, part))
                     shifted.append(getattr(k, f"{prefix}_offsets") + start)
                     start += n
                 merged.append(buffer)
                 offsets.append(torch.cat(shifted))
                 placements.append(torch.cat([getattr(k, f"{prefix}_placements") for k in kernels]))
-                bound.extend(parts)
         self._merged = tuple(merged)
-        self._bound = tuple(
-            (t, t.data_ptr()) for k_i in range(len(kernels)) for t in bound[k_i :: len(kernels)]
-        )
-        self._read_bound = tuple(_reader(k, names) for k in kernels)
+        # (the dictionary of the module that holds the tensor, its name, the bound view, the view's address)
+        self._bound = tuple((_holder(k, name), name, t, t.data_ptr()) for k, name, t in bound)
         if self.host:
             self._rows = [merged[0], placements[0], offsets[0]]
             self._momentum = [merged[1], placements[1], offsets[1]] if self.rowwise else []
@@ -218,9 +214,8 @@ class FusedTBE:
 
     def bound(self) -> bool:
         """Whether every kernel still holds the views this fusion bound (not moved, replaced or re-assigned)."""
-        current = [t for read in self._read_bound for t in read()]
         return all(
-            t is want and t.data_ptr() == ptr for t, (want, ptr) in zip(current, self._bound, strict=True)
+            store.get(name) is want and want.data_ptr() == ptr for store, name, want, ptr in self._bound
         )
 
     def prepare(
@@ -311,7 +306,7 @@ class Fusion:
         self.report: tuple[str | None, ...] = ()
         # Per direct group: (kernel, its learning-rate tensor, that tensor's version, its optimizer arguments)
         # as last planned; a change of any of them re-checks the grouping.
-        self._watch: list[tuple[Any, torch.Tensor, int, Any]] = []
+        self._watch: list[tuple[dict[str, Any], torch.Tensor, int, Any]] = []
         self.plan()
 
     def _partition(self) -> tuple[list[tuple[int, ...]], dict[int, tuple[Any, ...] | None]]:
@@ -364,12 +359,15 @@ class Fusion:
         self.report = tuple(report)
         self._watch = self._watched()
 
-    def _watched(self) -> list[tuple[Any, torch.Tensor, int, Any]]:
+    def _watched(self) -> list[tuple[dict[str, Any], torch.Tensor, int, Any]]:
+        """Per direct kernel: its instance dictionary (fbgemm keeps both there, so a read is a dict lookup),
+        learning-rate tensor, that tensor's version and optimizer arguments."""
         out = []
         for direct in self._directs:
             if direct is not None:
                 k = direct.kernel
-                out.append((k, k.learning_rate_tensor, k.learning_rate_tensor._version, k.optimizer_args))
+                lr = k.learning_rate_tensor
+                out.append((k.__dict__, lr, lr._version, k.optimizer_args))
         return out
 
     def _call(self, g_i: int) -> DirectTBE:
@@ -382,11 +380,11 @@ class Fusion:
         are not the views it bound, or a learning rate or the optimizer arguments changed so that the kernels
         group differently. A change that keeps the grouping (the same new learning rate set on every kernel) is
         taken as it is: the fused call reads the first kernel's. A few attribute reads per kernel."""
-        for kernel, lr, version, args in self._watch:
+        for state, lr, version, args in self._watch:
             if (
-                kernel.learning_rate_tensor is not lr
+                state.get("learning_rate_tensor") is not lr
                 or lr._version != version
-                or kernel.optimizer_args is not args
+                or state.get("optimizer_args") is not args
             ):
                 fused, _ = self._partition()
                 if sorted(fused) != sorted(self.calls):
@@ -394,6 +392,15 @@ class Fusion:
                 self._watch = self._watched()
                 break
         return not all(call.bound() for call in self.calls.values())
+
+
+def _holder(module: Any, name: str) -> dict[str, Any]:
+    """The dictionary of ``module`` that holds attribute ``name`` (parameters, buffers or the instance's)."""
+    for store in (module._parameters, module._buffers, module.__dict__):
+        if name in store:
+            holder: dict[str, Any] = store
+            return holder
+    return {}  # never matches: the fusion is planned again
 
 
 def _unbind(kernel: Any) -> None:
