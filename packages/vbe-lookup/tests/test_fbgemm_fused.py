@@ -478,3 +478,19 @@ def test_fuse_kernels_off_and_legacy_keep_one_call_per_tbe() -> None:
     assert legacy._fusion is None
     assert legacy.fbgemm_fusion == ("unfused: merge='legacy'",) * 3
     assert all(t.weights_host.untyped_storage().nbytes() == t.weights_host.nbytes for t in tbes)
+
+
+def test_two_lookups_over_the_same_tbes_share_one_fusion() -> None:
+    """A second fused lookup over the same TBEs re-uses the first one's buffers (no copy back and forth per
+    step); both keep training the same rows as an unfused reference."""
+    fused, fused_tbes, reference, reference_tbes = _pair("cpu")
+    other = _lookup(
+        [KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(fused_tbes, KEYS, strict=True)],
+        "fused",
+    )
+    assert fused._fusion is not None
+    assert other._fusion is not None
+    assert other._fusion.calls[(0, 1, 2)] is fused._fusion.calls[(0, 1, 2)]
+    for seed in range(4):
+        _agree(fused if seed % 2 else other, fused_tbes, reference, reference_tbes, seed)
+    assert other._fusion.calls[(0, 1, 2)] is fused._fusion.calls[(0, 1, 2)]

@@ -26,6 +26,7 @@ fall back to their own direct calls, moved ones are fused anew.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +46,10 @@ from vbe_lookup._fbgemm_direct import (
 
 __all__ = ["FusedTBE", "Fusion", "fusion_key"]
 
+# id(first fused TBE) -> the FusedTBE that last bound its kernels' rows, while a lookup holds it: lookups over the
+# same kernels share one fusion. Weak (nothing is kept alive for it, nothing is added to the modules); a hit is
+# checked against its kernels by identity, so a reused id never matches.
+_SHARED: weakref.WeakValueDictionary[int, FusedTBE] = weakref.WeakValueDictionary()
 # Positions in `_fbgemm_direct._PLAIN` of what a fused call replaces with its merged value.
 _D_OFFSETS, _TOTAL_D, _MAX_D, _HASH_SIZE_CUMSUM, _HASH_BITS, _INFO_BITS, _INFO_MASK, _MIXED_D = (
     1,
@@ -127,6 +132,7 @@ class FusedTBE:
     """
 
     __slots__ = (
+        "__weakref__",
         "_bound",
         "_check_bounds",
         "_feature_dims_cpu",
@@ -331,10 +337,21 @@ class Fusion:
         old = self.calls
         calls: dict[tuple[int, ...], FusedTBE] = {}
         for unit in fused:
+            directs = [self._call(g_i) for g_i in unit]
             hit = old.get(unit)
-            calls[unit] = (
-                hit if hit is not None and hit.bound() else FusedTBE([self._call(g_i) for g_i in unit])
-            )
+            if (
+                hit is None
+            ):  # the same kernels fused by another lookup: share its buffers (no copy, no ping-pong)
+                hit = _SHARED.get(id(directs[0].kernel))
+                if hit is not None and (
+                    len(hit.kernels) != len(directs)
+                    or any(k is not d.kernel for k, d in zip(hit.kernels, directs, strict=False))
+                ):
+                    hit = None
+            if hit is None or not hit.bound():
+                hit = FusedTBE(directs)
+                _SHARED[id(directs[0].kernel)] = hit
+            calls[unit] = hit
         for unit, call in old.items():  # kernels fused before and not now: their own rows again
             if unit not in calls:
                 for g_i, kernel in zip(unit, call.kernels, strict=True):
