@@ -461,16 +461,16 @@ class GroupedVBELookup(nn.Module):
         self._in_place_cache.clear()
         self._layouts.clear()
         self._last = None
-        report = (None,) * n if fusion is None else fusion.report
-        if fusion is None and self.fuse_kernels is False:
-            report = tuple(None if d is None else "unfused: fuse_kernels=False" for d in self._direct)
-        elif fusion is None:
-            report = tuple(
-                None
-                if d is None
-                else f"unfused: {'merge=' + repr(self.merge) if self.merge != 'preallocated' else 'the only direct TBE'}"
-                for d in self._direct
-            )
+        if fusion is not None:
+            report = fusion.report
+        else:
+            if not self.fuse_kernels:
+                why = "fuse_kernels=False"
+            elif self.merge != "preallocated":
+                why = f"merge={self.merge!r}"
+            else:
+                why = "the only TBE on the direct path"
+            report = tuple(None if d is None else f"unfused: {why}" for d in self._direct)
         self.fbgemm_fusion: tuple[str | None, ...] = report
         """Per group: ``"fused: groups 0, 2 in one op call"``, ``"unfused: <why>"`` for a TBE on the direct
         path, ``None`` for other groups."""
