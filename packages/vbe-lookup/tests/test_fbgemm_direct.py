@@ -76,7 +76,8 @@ def _tbes(config: dict[str, Any], device: str, seed: int) -> list[Any]:
 
 def _lookup(config: dict[str, Any], tbes: list[Any], call: str) -> GroupedVBELookup:
     groups = [KernelGroup(t, k["features"], k["dims"]) for t, k in zip(tbes, config["kernels"], strict=True)]
-    return GroupedVBELookup(groups, fbgemm_call=call, check_indices="never")  # type: ignore[arg-type]
+    # One op call per TBE here (the unfused direct path); test_fbgemm_fused.py compares the fused one.
+    return GroupedVBELookup(groups, fbgemm_call=call, check_indices="never", fuse_kernels=False)  # type: ignore[arg-type]
 
 
 def _batch(config: dict[str, Any], rng: random.Random, device: str, seed: int) -> VBEFeatures:
@@ -147,9 +148,10 @@ LAYOUTS = range(12)
 _CHILD = """
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])
-import test_fbgemm_direct as t
-device, call, out = sys.argv[2], sys.argv[3], sys.argv[4]
-for seed in map(int, sys.argv[5:]):
+import importlib
+t = importlib.import_module(sys.argv[2])
+device, call, out = sys.argv[3], sys.argv[4], sys.argv[5]
+for seed in map(int, sys.argv[6:]):
     open(os.path.join(out, f"{call}-{seed}.started"), "w").close()
     if os.environ.get("CRASH_AT") == str(seed):
         os.kill(os.getpid(), signal.SIGFPE)
@@ -158,15 +160,21 @@ for seed in map(int, sys.argv[5:]):
 
 
 def _train_layouts_in_children(
-    device: str, call: str, seeds: Sequence[int], out: Path, env: dict[str, str] | None = None
+    device: str,
+    call: str,
+    seeds: Sequence[int],
+    out: Path,
+    env: dict[str, str] | None = None,
+    module: str = "test_fbgemm_direct",
 ) -> dict[int, Any]:
-    """:func:`_train_layout` of every seed through ``call`` in child processes (an fbgemm crash kills only
-    its child; the next child goes on after the layout it died on): per seed, the record or the exit code."""
+    """``module``'s ``_train_layout`` of every seed through ``call`` in child processes (an fbgemm crash kills
+    only its child; the next child goes on after the layout it died on): per seed, the record or the exit
+    code."""
     here = str(Path(__file__).resolve().parent)
     results: dict[int, Any] = {}
     todo = list(seeds)
     while todo:
-        args = [sys.executable, "-c", _CHILD, here, device, call, str(out), *map(str, todo)]
+        args = [sys.executable, "-c", _CHILD, here, module, device, call, str(out), *map(str, todo)]
         code = subprocess.run(args, timeout=600, env=env).returncode
         done = 0
         for seed in todo:

@@ -24,6 +24,7 @@ __all__ = [
     "bounds_check_none",
     "fbgemm_available",
     "fbgemm_status",
+    "generate_vbe_metadata",
     "install_vbe_metadata_cache",
     "is_fbgemm_tbe",
     "new_tbe",
@@ -277,3 +278,20 @@ def install_vbe_metadata_cache(kernel: Any) -> None:
 
     kernel._generate_vbe_metadata = cached
     kernel._vbe_lookup_metadata_cache = cache
+
+
+def generate_vbe_metadata(
+    offsets: torch.Tensor,
+    batch_sizes: list[list[int]],
+    pooling_mode: Any,
+    feature_dims_cpu: torch.Tensor,
+    device: torch.device,
+    vbe_output_offsets: torch.Tensor | None,
+) -> Any:
+    """fbgemm's VBE metadata of a lookup over features of dims ``feature_dims_cpu`` (what a TBE's
+    ``_generate_vbe_metadata`` returns for its own features; fbgemm must have loaded)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training_common import (
+        generate_vbe_metadata as generate,
+    )
+
+    return generate(offsets, batch_sizes, pooling_mode, feature_dims_cpu, device, None, vbe_output_offsets)

@@ -35,7 +35,7 @@ import torch
 
 from vbe_lookup import _fbgemm
 
-__all__ = ["PLAIN_LAYOUT", "DirectTBE", "LayoutArgs", "direct_tbe"]
+__all__ = ["PLAIN_LAYOUT", "DirectTBE", "LayoutArgs", "direct_tbe", "invoke_op"]
 
 # fbgemm's OptimType name -> (op name, whether the op takes row-wise Adagrad's momentum and optim args).
 _OPS: dict[str, tuple[str, bool]] = {
@@ -258,55 +258,13 @@ class DirectTBE:
         returned, as the module does; ``None`` returns a new output.
         """
         k = self.kernel
-        if self._index_dtype is not None:
-            indices = indices.to(self._index_dtype)
-        if offsets.dtype != indices.dtype:
-            offsets = offsets.to(indices.dtype)
-        if weights is not None:
-            weights = weights.float()
+        indices, offsets, weights = _ids(self._index_dtype, indices, offsets, weights)
         if self._check_bounds:
-            torch.ops.fbgemm.bounds_check_indices(
-                k.rows_per_table,
-                indices,
-                offsets,
-                k.bounds_check_mode_int,
-                k.bounds_check_warning,
-                weights,
-                B_offsets=layout.B_offsets,
-                max_B=layout.max_B,
-                b_t_map=None,
-                info_B_num_bits=k.info_B_num_bits,
-                info_B_mask=k.info_B_mask,
-                bounds_check_version=1,
-                prefetch_pipeline=False,
+            _bounds_check(
+                k, k.rows_per_table, k.info_B_num_bits, k.info_B_mask, layout, indices, offsets, weights
             )
-        if not torch.compiler.is_compiling():  # module attributes mutated under dynamo force a restart
-            if self._counters:
-                state = k.__dict__
-                state["step"] += 1
-                state["timestep"] += 1
-            else:
-                k.step += 1
-                k.timestep += 1
-        (
-            placeholder,
-            d_offsets,
-            total_d,
-            max_d,
-            hash_size_cumsum,
-            total_hash_size_bits,
-            pooling_mode,
-            output_dtype,
-            cache_locations_empty,
-            info_b_num_bits,
-            info_b_mask,
-            is_experimental,
-            uniq_cache_locations_bwd,
-            homogeneous_placements,
-            mixed_d,
-            learning_rate_tensor,
-            args,
-        ) = self._read_plain()
+        self.count_call()
+        plain = self._read_plain()
         (weights_host,) = self._read_host()
         if weights_host.numel() > 0:  # rows in host memory (fbgemm-gpu-cpu)
             state_tensors = self._read_cpu()
@@ -316,61 +274,159 @@ class DirectTBE:
             state_tensors = self._read_dev()
             rows = list(state_tensors[:5])
             momentum = list(state_tensors[5:])
-        values: tuple[Any, ...] = (
-            placeholder,
-            rows,
-            d_offsets,
-            total_d,
-            max_d,
-            hash_size_cumsum,
-            total_hash_size_bits,
-            indices,
-            offsets,
-            pooling_mode,
-            weights,
-            None,  # feature_requires_grad
-            output_dtype,
-            [
-                layout.B_offsets,
-                layout.output_offsets_feature_rank,
-                layout.B_offsets_rank_per_feature,
-                cache_locations_empty,
-                None,  # uvm_cache_stats: off (checked in direct_tbe)
-                None,  # prev_iter_dev: no global weight decay
-                layout.vbe_output_offsets,
-            ],
-            [0, info_b_num_bits, info_b_mask],  # aux_int; iter: read only by modes not taken here
-            [0.0, args.max_gradient],  # aux_float: gwd_lower_bound, max_gradient
-            [  # aux_bool
-                is_experimental,
-                uniq_cache_locations_bwd,
-                homogeneous_placements,
-                False,  # apply_global_weight_decay
-                args.gradient_clipping,
-                args.stochastic_rounding,
-                mixed_d if self.rowwise else True,  # fbgemm's module passes mixed_D to row-wise Adagrad only
-            ],
-            learning_rate_tensor,
-            layout.max_B,
-            layout.max_B_feature_rank,
-            layout.output_size,
-            vbe_output,
+        return invoke_op(self, plain, rows, momentum, layout, indices, offsets, weights, vbe_output)
+
+    def count_call(self) -> None:
+        """fbgemm's per-call ``step``/``timestep`` counters of the module, as its forward bumps them."""
+        if torch.compiler.is_compiling():  # module attributes mutated under dynamo force a restart
+            return
+        k = self.kernel
+        if self._counters:
+            state = k.__dict__
+            state["step"] += 1
+            state["timestep"] += 1
+        else:
+            k.step += 1
+            k.timestep += 1
+
+
+def _ids(
+    index_dtype: torch.dtype | None,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The ids, offsets and per-id weights in the dtypes fbgemm's module hands its op."""
+    if index_dtype is not None:
+        indices = indices.to(index_dtype)
+    if offsets.dtype != indices.dtype:
+        offsets = offsets.to(indices.dtype)
+    if weights is not None:
+        weights = weights.float()
+    return indices, offsets, weights
+
+
+def _bounds_check(
+    kernel: Any,
+    rows_per_table: torch.Tensor,
+    info_b_num_bits: int,
+    info_b_mask: int,
+    layout: LayoutArgs,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> None:
+    """fbgemm's bounds check (version 1) in ``kernel``'s mode, counting warnings in ``kernel``'s counter."""
+    torch.ops.fbgemm.bounds_check_indices(
+        rows_per_table,
+        indices,
+        offsets,
+        kernel.bounds_check_mode_int,
+        kernel.bounds_check_warning,
+        weights,
+        B_offsets=layout.B_offsets,
+        max_B=layout.max_B,
+        b_t_map=None,
+        info_B_num_bits=info_b_num_bits,
+        info_B_mask=info_b_mask,
+        bounds_check_version=1,
+        prefetch_pipeline=False,
+    )
+
+
+def invoke_op(
+    call: DirectTBE | Any,
+    plain: tuple[Any, ...],
+    rows: list[torch.Tensor],
+    momentum: list[torch.Tensor],
+    layout: LayoutArgs,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    vbe_output: torch.Tensor | None,
+) -> torch.Tensor:
+    """fbgemm's lookup op with the arguments fbgemm's invoker passes.
+
+    ``call`` gives the op (``overload``, ``rowwise``, ``_schema_order``, ``_keywords``: a :class:`DirectTBE` or
+    a fused call); ``plain`` is the module state in ``_PLAIN`` order; ``rows`` and ``momentum`` the rows'
+    (and row-wise Adagrad's momentum's) tensors as the op takes them (host or device lists).
+    """
+    (
+        placeholder,
+        d_offsets,
+        total_d,
+        max_d,
+        hash_size_cumsum,
+        total_hash_size_bits,
+        pooling_mode,
+        output_dtype,
+        cache_locations_empty,
+        info_b_num_bits,
+        info_b_mask,
+        is_experimental,
+        uniq_cache_locations_bwd,
+        homogeneous_placements,
+        mixed_d,
+        learning_rate_tensor,
+        args,
+    ) = plain
+    rowwise: bool = call.rowwise
+    values: tuple[Any, ...] = (
+        placeholder,
+        rows,
+        d_offsets,
+        total_d,
+        max_d,
+        hash_size_cumsum,
+        total_hash_size_bits,
+        indices,
+        offsets,
+        pooling_mode,
+        weights,
+        None,  # feature_requires_grad
+        output_dtype,
+        [
+            layout.B_offsets,
+            layout.output_offsets_feature_rank,
+            layout.B_offsets_rank_per_feature,
+            cache_locations_empty,
+            None,  # uvm_cache_stats: off (checked in direct_tbe)
+            None,  # prev_iter_dev: no global weight decay
+            layout.vbe_output_offsets,
+        ],
+        [0, info_b_num_bits, info_b_mask],  # aux_int; iter: read only by modes not taken here
+        [0.0, args.max_gradient],  # aux_float: gwd_lower_bound, max_gradient
+        [  # aux_bool
+            is_experimental,
+            uniq_cache_locations_bwd,
+            homogeneous_placements,
+            False,  # apply_global_weight_decay
+            args.gradient_clipping,
+            args.stochastic_rounding,
+            mixed_d if rowwise else True,  # fbgemm's module passes mixed_D to row-wise Adagrad only
+        ],
+        learning_rate_tensor,
+        layout.max_B,
+        layout.max_B_feature_rank,
+        layout.output_size,
+        vbe_output,
+    )
+    if rowwise:
+        values += (
+            momentum,
+            [args.weight_decay_mode],  # optim_int
+            [args.eps, args.weight_decay, args.max_norm],  # optim_float
         )
-        if self.rowwise:
-            values += (
-                momentum,
-                [args.weight_decay_mode],  # optim_int
-                [args.eps, args.weight_decay, args.max_norm],  # optim_float
-            )
-        ordered = self._schema_order(values)
-        out: torch.Tensor = (
-            self.overload(*ordered)
-            if self._keywords is None
-            else self.overload(**dict(zip(self._keywords, ordered, strict=True)))
-        )
-        if layout.vbe_order is not None:  # [B, total_D] without VBE -> VBE order
-            out = out.reshape(-1, layout.granule).index_select(0, layout.vbe_order).reshape(-1)
-        return out
+    ordered = call._schema_order(values)
+    keywords: tuple[str, ...] | None = call._keywords
+    out: torch.Tensor = (
+        call.overload(*ordered)
+        if keywords is None
+        else call.overload(**dict(zip(keywords, ordered, strict=True)))
+    )
+    if layout.vbe_order is not None:  # [B, total_D] without VBE -> VBE order
+        out = out.reshape(-1, layout.granule).index_select(0, layout.vbe_order).reshape(-1)
+    return out
 
 
 def _reader(module: Any, names: tuple[str, ...]) -> Callable[[], tuple[Any, ...]]:

@@ -20,6 +20,7 @@ from torch import nn
 from vbe_lookup import _fbgemm
 from vbe_lookup._compat import eager_only
 from vbe_lookup._fbgemm_direct import PLAIN_LAYOUT, DirectTBE, LayoutArgs, direct_tbe
+from vbe_lookup._fbgemm_fused import FusedTBE, Fusion
 from vbe_lookup._features import (
     VBEFeatures,
     check_length_per_key,
@@ -239,7 +240,11 @@ class VBEOutput:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class _GroupPlan:
-    """Where one kernel group's input comes from and where its output goes, for one layout."""
+    """Where one call unit's input comes from and where its output goes, for one layout.
+
+    A unit is one kernel group, or several groups whose fbgemm TBEs share one op call (their features in a row,
+    group by group); every field is over the unit's features in that order.
+    """
 
     bag_runs: tuple[tuple[int, int], ...]  # [start, end) ranges of input bags, in the group's order
     feature_runs: tuple[tuple[int, int], ...]  # matching [start, end) ranges of input features
@@ -247,17 +252,19 @@ class _GroupPlan:
     batch_sizes: list[list[int]]  # [F_g][R]
     num_bags: int
     vbe_output_offsets: torch.Tensor  # [R, F_g] int64 on the device (contiguous)
-    block_starts: tuple[int, ...]  # per rank: where this group's rank block starts in the output
-    block_sizes: tuple[int, ...]  # per rank: its size
+    block_starts: tuple[int, ...]  # per rank, per group of the unit: where that block starts in the output
+    block_sizes: tuple[int, ...]  # its size
     placement: list[tuple[torch.Tensor, int]]  # lazily: rows of the output viewed [-1, granule], granule
-    direct_args: list[LayoutArgs]  # lazily: the layout's arguments of a kernel called through its op
+    direct_args: list[
+        LayoutArgs
+    ]  # lazily: the layout's arguments of a kernel (or fused kernels) called through the op
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class _Layout:
     """Per (keys, batch sizes, device) metadata, built on the host once and kept on the device."""
 
-    groups: tuple[_GroupPlan, ...]
+    groups: tuple[_GroupPlan, ...]  # per call unit (`GroupedVBELookup._units`)
     offsets: torch.Tensor  # [R, F] int64
     offsets_host: tuple[tuple[int, ...], ...]
     keys: tuple[str, ...]
@@ -309,6 +316,18 @@ class GroupedVBELookup(nn.Module):
             docs/vbe-lookup.md), for TBEs in the plain training configuration; any other TBE keeps the
             module path, and :attr:`fbgemm_paths` says which path each group takes and why.
             ``"module"`` calls every TBE's ``forward``.
+        fuse_kernels: on the direct path with ``merge="preallocated"``, call fbgemm's op ONCE for all TBEs that
+            are compatible (same optimizer and equal learning rate and optimizer arguments, rows in the same
+            memory with the same dtype and device, same output dtype, pooling and bounds-check modes): their
+            rows are moved into one buffer per state tensor (the modules' ``weights_*``/``momentum1_*`` become
+            views of it, so each module still holds, trains and checkpoints its own rows) and their features
+            are looked up together, with the results of separate calls. The host cost of a step then stays
+            that of one TBE instead of growing by fbgemm's per-call backward work with every TBE. Checked every
+            forward: a kernel whose learning rate or optimizer arguments no longer match, or whose rows were
+            moved or replaced (``.to()``, ``load_state_dict(assign=True)``), is planned again (fused anew or
+            called on its own). Default ``True``; ``False`` keeps one op call per TBE and the TBEs' own
+            storage (fusing copies the rows once: the fused TBEs' rows are held twice while it runs).
+            :attr:`fbgemm_fusion` says per group whether and with which groups it is fused.
     """
 
     def __init__(
@@ -321,6 +340,7 @@ class GroupedVBELookup(nn.Module):
         kernel_pooling: KernelPooling = "any",
         cache_fbgemm_metadata: bool = True,
         fbgemm_call: FBGEMMCall = "direct",
+        fuse_kernels: bool = True,
     ) -> None:
         super().__init__()
         groups = tuple(groups)
@@ -365,9 +385,6 @@ class GroupedVBELookup(nn.Module):
             (_kernel_kind(g.kernel), _kernel_output_dtype(g.kernel)) for g in groups
         ]
         self._fp16_weighted_mean = _check_kernel_modes(groups, self._kinds, kernel_pooling)
-        # Offsets handed to fbgemm TBEs must not alias the features' own when the input went unchecked:
-        # fbgemm's bounds check repairs bad offsets in place.
-        self._fbgemm_groups = tuple(kind.startswith("fbgemm") for kind, _ in self._kinds)
         self._deferred_flags: torch.Tensor | None = None
         self._deferred_forwards = 0
         direct: list[DirectTBE | None] = []
@@ -397,9 +414,75 @@ class GroupedVBELookup(nn.Module):
         # The last layout with the very key and stride tuples it was asked for: a producer that keeps its
         # tuples per layout (the sharded input dist, ``VBEFeatures.to``) finds it without hashing them.
         self._last: tuple[tuple[str, ...], tuple[tuple[int, ...], ...], torch.device, _Layout] | None = None
+        self.fuse_kernels = bool(fuse_kernels)
+        self._fusion: Fusion | None = None
+        if fuse_kernels and merge == "preallocated" and sum(call is not None for call in direct) > 1:
+            self._fusion = Fusion(direct)
+        self._set_units()
         # Inputs whose ids, lengths and offsets the caller has checked (a sharded module's input dist): an
         # fbgemm TBE may then get the features' own offsets (its bounds check has nothing to repair).
         self._trusted_inputs = False
+
+    # ------------------------------------------------------------------ call units
+    def _set_units(self) -> None:
+        """The call units (one op call or module call each) from the fusion plan, and what depends on them.
+
+        Drops the cached layouts: their plans are per unit.
+        """
+        fusion = self._fusion
+        n = len(self.groups)
+        units = fusion.units if fusion is not None else tuple((g_i,) for g_i in range(n))
+        self._units: tuple[tuple[int, ...], ...] = units
+        calls: list[DirectTBE | FusedTBE | None] = []
+        for unit in units:
+            fused = None if fusion is None else fusion.calls.get(unit)
+            calls.append(fused if fused is not None else self._direct[unit[0]])
+        self._unit_calls: tuple[DirectTBE | FusedTBE | None, ...] = tuple(calls)
+        # Per unit, the row-wise Adagrad TBEs called through the op, whose `iter` a call advances.
+        self._unit_iters: tuple[tuple[DirectTBE, ...], ...] = tuple(
+            tuple(d for d in (self._direct[g_i] for g_i in unit) if d is not None and d.rowwise)
+            for unit in units
+        )
+        # Offsets handed to fbgemm TBEs must not alias the features' own when the input went unchecked:
+        # fbgemm's bounds check repairs bad offsets in place.
+        self._unit_fbgemm = tuple(self._kinds[unit[0]][0].startswith("fbgemm") for unit in units)
+        order = [g_i for unit in units for g_i in unit]
+        # Batch-major outputs come unit by unit: the columns that put them back in group order (None: already).
+        self._unit_columns: list[int] | None = None
+        if order != sorted(order):
+            widths = {g_i: sum(self.groups[g_i].dims) for g_i in order}
+            start: dict[int, int] = {}
+            cursor = 0
+            for g_i in order:
+                start[g_i] = cursor
+                cursor += widths[g_i]
+            self._unit_columns = [start[g_i] + c for g_i in range(n) for c in range(widths[g_i])]
+        self._unit_columns_on: dict[torch.device, torch.Tensor] = {}
+        self._in_place_cache.clear()
+        self._layouts.clear()
+        self._last = None
+        if fusion is not None:
+            report = fusion.report
+        else:
+            if not self.fuse_kernels:
+                why = "fuse_kernels=False"
+            elif self.merge != "preallocated":
+                why = f"merge={self.merge!r}"
+            else:
+                why = "the only TBE on the direct path"
+            report = tuple(None if d is None else f"unfused: {why}" for d in self._direct)
+        self.fbgemm_fusion: tuple[str | None, ...] = report
+        """Per group: ``"fused: groups 0, 2 in one op call"``, ``"unfused: <why>"`` for a TBE on the direct
+        path, ``None`` for other groups."""
+
+    @eager_only  # host-side checks of module state; never part of a graph
+    def _refresh_fusion(self) -> None:
+        """Plan the fusion again when a fused kernel's rows or any direct kernel's learning rate or optimizer
+        arguments changed so that it no longer holds (a few attribute reads per kernel)."""
+        fusion = self._fusion
+        if fusion is not None and fusion.stale():
+            fusion.plan()
+            self._set_units()
 
     # ------------------------------------------------------------------ layout
     @eager_only  # host-side metadata, cached per layout
@@ -415,6 +498,8 @@ class GroupedVBELookup(nn.Module):
         else:
             keys = tuple(features.keys())
             stride = tuple(tuple(int(b) for b in row) for row in features.stride_per_key_per_rank())
+        if self._fusion is not None:
+            self._refresh_fusion()
         return self._layout(keys, stride, features.values().device)
 
     @eager_only  # host-side metadata, cached per layout: keep it out of graphs
@@ -500,9 +585,9 @@ class GroupedVBELookup(nn.Module):
         # placement copy move rows of `granule` elements with one index entry per row.
         granule = math.gcd(cursor, *out_dims, *(o for row in offsets_host for o in row))
         plans: list[_GroupPlan] = []
-        first = 0
-        for g_i, group in enumerate(self.groups):
-            idx = [position[n] for n in group.features]
+        first_column = list(itertools.accumulate((len(g.features) for g in self.groups), initial=0))
+        for unit in self._units:
+            idx = [position[n] for g_i in unit for n in self.groups[g_i].features]
             runs: list[tuple[int, int]] = []
             for i in idx:
                 if runs and runs[-1][1] == i:
@@ -511,9 +596,12 @@ class GroupedVBELookup(nn.Module):
                     runs.append((i, i + 1))
             bag_runs = tuple((bag_start[a], bag_start[b]) for a, b in runs)
             batch_sizes = [list(stride[i]) for i in idx]
-            n = len(group.features)
-            group_offsets = offsets_dev[:, first : first + n].contiguous()
-            setattr(group_offsets, GRANULE_ATTRIBUTE, granule)
+            columns = [c for g_i in unit for c in range(first_column[g_i], first_column[g_i + 1])]
+            if columns == list(range(columns[0], columns[-1] + 1)):
+                unit_offsets = offsets_dev[:, columns[0] : columns[-1] + 1].contiguous()
+            else:  # groups fused across others: their columns of the output offsets
+                unit_offsets = offsets_dev[:, columns].contiguous()
+            setattr(unit_offsets, GRANULE_ATTRIBUTE, granule)
             plans.append(
                 _GroupPlan(
                     bag_runs=bag_runs,
@@ -521,14 +609,13 @@ class GroupedVBELookup(nn.Module):
                     whole_input=runs == [(0, len(keys))],
                     batch_sizes=batch_sizes,
                     num_bags=sum(sum(row) for row in batch_sizes),
-                    vbe_output_offsets=group_offsets,
-                    block_starts=tuple(group_block_starts[g_i]),
-                    block_sizes=tuple(group_block_sizes[g_i]),
+                    vbe_output_offsets=unit_offsets,
+                    block_starts=tuple(group_block_starts[g_i][r] for r in range(num_ranks) for g_i in unit),
+                    block_sizes=tuple(group_block_sizes[g_i][r] for r in range(num_ranks) for g_i in unit),
                     placement=[],
                     direct_args=[],
                 )
             )
-            first += n
         rows = [_UNBOUNDED_ROWS] * len(keys)
         for group in self.groups:
             if group.num_embeddings is not None:
@@ -609,22 +696,31 @@ class GroupedVBELookup(nn.Module):
             return None
         _, inputs, _ = self._accept(features)
         outs: list[torch.Tensor] = []
-        for g_i, item in enumerate(inputs):
-            assert item is not None  # every group has B > 0 bags of each of its features
+        for u_i, item in enumerate(inputs):
+            assert item is not None  # every unit has B > 0 bags of each of its features
             indices, offsets, weights = item
-            direct = self._direct[g_i]
-            if direct is not None:
-                y = direct(PLAIN_LAYOUT, indices, offsets, weights)
+            call = self._unit_calls[u_i]
+            if call is not None:
+                y = call(PLAIN_LAYOUT, indices, offsets, weights)
             else:
-                y = self.groups[g_i].kernel(indices, offsets, per_sample_weights=weights)
+                y = self.groups[self._units[u_i][0]].kernel(indices, offsets, per_sample_weights=weights)
             outs.append(y if y.dtype == self.output_dtype else y.to(self.output_dtype))
         self._count_iterations(inputs)
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self._unit_columns is not None:  # units fused across other groups: back to group order
+            columns = self._unit_columns_on.get(out.device)
+            if columns is None:
+                columns = _to_device(torch.tensor(self._unit_columns, dtype=torch.long), out.device)
+                self._unit_columns_on[out.device] = columns
+            out = out.index_select(1, columns)
+        return out
 
     def _accept(
         self, features: KeyedJaggedTensorLike
     ) -> tuple[_Layout, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None], torch.device]:
-        """The checks of :meth:`forward`, its layout, and each group's ``(indices, offsets, weights)``."""
+        """The checks of :meth:`forward`, its layout, and each call unit's ``(indices, offsets, weights)``."""
+        if self._fusion is not None:
+            self._refresh_fusion()
         counts: Sequence[int] | None
         if isinstance(features, VBEFeatures):
             # Immutable and checked at construction: no per-step copies or checks.
@@ -751,7 +847,7 @@ class GroupedVBELookup(nn.Module):
         *,
         trusted: bool,
     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
-        """Each group's (indices, offsets, weights); ``None`` for a group with no bag.
+        """Each call unit's (indices, offsets, weights); ``None`` for a unit with no bag.
 
         Unless the contents were checked (``trusted``), an fbgemm TBE never gets a view of the
         features' offsets: its bounds check repairs bad offsets in place.
@@ -759,7 +855,7 @@ class GroupedVBELookup(nn.Module):
         if not layout.need_counts:  # one group reads everything (others have no bag)
             whole_offsets = offsets if offsets.dtype == values.dtype else offsets.to(values.dtype)
             out_whole: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None] = []
-            for plan, fbgemm in zip(layout.groups, self._fbgemm_groups, strict=True):
+            for plan, fbgemm in zip(layout.groups, self._unit_fbgemm, strict=True):
                 if plan.num_bags == 0:
                     out_whole.append(None)
                 elif fbgemm and not trusted and whole_offsets is offsets:
@@ -778,7 +874,7 @@ class GroupedVBELookup(nn.Module):
             w_split = None if weights is None else weights.split_with_sizes(sizes)
         out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None] = []
         active = 0
-        for plan, fbgemm in zip(layout.groups, self._fbgemm_groups, strict=True):
+        for plan, fbgemm in zip(layout.groups, self._unit_fbgemm, strict=True):
             if plan.num_bags == 0:
                 out.append(None)
                 continue
@@ -826,8 +922,8 @@ class GroupedVBELookup(nn.Module):
         device: torch.device,
     ) -> torch.Tensor:
         dtype = self.output_dtype
-        if len(self.groups) == 1:
-            # A single kernel never merges: its own VBE output is already in the final order.
+        if len(self._units) == 1:
+            # A single call never merges: its own VBE output (all groups, in order) is already the final order.
             item = inputs[0]
             if item is None:
                 return torch.zeros(layout.total, dtype=dtype, device=device)
@@ -842,15 +938,15 @@ class GroupedVBELookup(nn.Module):
         # created inside its custom autograd function (fbgemm returns `vbe_output` as-is), on which an
         # in-place autograd op is forbidden. Then the chain: each in-place kernel gets the tensor the
         # previous one returned, used as it is (no reshape, no copy).
-        for g_i, (plan, item) in enumerate(zip(layout.groups, inputs, strict=True)):
-            if item is None or in_place[g_i]:
+        for u_i, (plan, item) in enumerate(zip(layout.groups, inputs, strict=True)):
+            if item is None or in_place[u_i]:
                 continue  # no bag on any rank (its blocks are empty), or written in the chain below
-            y = self._call(g_i, plan, item).reshape(-1).to(dtype)
+            y = self._call(u_i, plan, item).reshape(-1).to(dtype)
             rows, granule = _placement(plan, layout.total, device)
             out.view(-1, granule).index_copy_(0, rows, y.view(-1, granule))
-        for g_i, (plan, item) in enumerate(zip(layout.groups, inputs, strict=True)):
-            if item is not None and in_place[g_i]:
-                out = self._call(g_i, plan, item, out)
+        for u_i, (plan, item) in enumerate(zip(layout.groups, inputs, strict=True)):
+            if item is not None and in_place[u_i]:
+                out = self._call(u_i, plan, item, out)
                 if out.dim() != 1:
                     out = out.reshape(-1)
         self._count_iterations(inputs)
@@ -858,20 +954,20 @@ class GroupedVBELookup(nn.Module):
 
     def _call(
         self,
-        g_i: int,
+        u_i: int,
         plan: _GroupPlan,
         item: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
         vbe_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Kernel ``g_i`` over its part of the batch; into ``vbe_output`` at its offsets when given."""
+        """Call unit ``u_i`` over its part of the batch; into ``vbe_output`` at its offsets when given."""
         indices, offsets, weights = item
-        direct = self._direct[g_i]
-        if direct is not None:
+        call = self._unit_calls[u_i]
+        if call is not None:
             if not plan.direct_args:
                 out_offsets = None if vbe_output is None else plan.vbe_output_offsets
-                plan.direct_args.append(direct.prepare(offsets, plan.batch_sizes, out_offsets))
-            return direct(plan.direct_args[0], indices, offsets, weights, vbe_output)
-        kernel = self.groups[g_i].kernel
+                plan.direct_args.append(call.prepare(offsets, plan.batch_sizes, out_offsets))
+            return call(plan.direct_args[0], indices, offsets, weights, vbe_output)
+        kernel = self.groups[self._units[u_i][0]].kernel
         if vbe_output is None:
             return kernel(
                 indices, offsets, per_sample_weights=weights, batch_size_per_feature_per_rank=plan.batch_sizes
@@ -886,21 +982,22 @@ class GroupedVBELookup(nn.Module):
         )
 
     def _count_iterations(self, inputs: Sequence[object | None]) -> None:
-        """Add 1 to the ``iter`` of every row-wise Adagrad TBE called directly (fbgemm's module does it
-        per call; here one ``_foreach_add_`` for all)."""
+        """Add 1 to the ``iter`` of every row-wise Adagrad TBE called through the op, fused or not, whose unit
+        was called (fbgemm's module does it per call; here one ``_foreach_add_`` for all)."""
         iters = [
             direct.kernel.iter
-            for direct, item in zip(self._direct, inputs, strict=True)
-            if direct is not None and direct.rowwise and item is not None
+            for directs, item in zip(self._unit_iters, inputs, strict=True)
+            if item is not None
+            for direct in directs
         ]
         if iters:
             torch._foreach_add_(iters, 1)
 
     def _in_place_on(self, device: torch.device) -> tuple[bool, ...]:
-        """Per group: writes in place on ``device`` (cached per device type)."""
+        """Per call unit: writes in place on ``device`` (cached per device type)."""
         hit = self._in_place_cache.get(device.type)
         if hit is None:
-            hit = tuple(self._writes_in_place(g_i, device) for g_i in range(len(self.groups)))
+            hit = tuple(all(self._writes_in_place(g_i, device) for g_i in unit) for unit in self._units)
             self._in_place_cache[device.type] = hit
         return hit
 

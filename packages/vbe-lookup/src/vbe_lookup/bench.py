@@ -4,7 +4,10 @@ Compares, in one run, interleaved, medians:
 
 - ``single``: one kernel holding every table (the target: no merge at all);
 - ``preallocated-K``: the features split over K kernels (K = 2..4), one pre-allocated 1-D output
-  (fbgemm TBEs on CUDA write in place through ``vbe_output``, chained; elsewhere one cached-index copy);
+  (fbgemm TBEs on CUDA write in place through ``vbe_output``, chained; elsewhere one cached-index copy),
+  one op call per TBE (``fuse_kernels=False``);
+- with fbgemm, ``fused-K``: the same K TBEs fused into ONE op call (``fuse_kernels=True``, the default): the
+  host cost a step should keep near ``single``'s (the issue's targets: 1.05x for K = 2, 1.15x for K = 4, fwd+bwd);
 - ``legacy-K``: torchrec's path over the same kernels: each through its module, split/permute/cat merge;
 - with fbgemm, ``single-module`` and ``preallocated-K-module``: the same lookups calling every TBE through
   its Python module (``fbgemm_call="module"``) instead of its lookup op with per-layout arguments;
@@ -94,8 +97,12 @@ def _build_impls(args: argparse.Namespace, device: torch.device, kind: str) -> l
             KernelGroup(_kernel(kind, rows[a:b], dims[a:b], device, args), keys[a:b], dims[a:b])
             for a, b in _split(args.features, k)
         ]
-        impls.append(_Impl(name=f"preallocated-{k}", lookup=GroupedVBELookup(groups), kernels=k))
+        lookup = GroupedVBELookup(groups, fuse_kernels=False)
+        impls.append(_Impl(name=f"preallocated-{k}", lookup=lookup, kernels=k))
         if fbgemm:
+            # The same TBEs (their rows become views of the fused buffers; the other rows read them as before).
+            fused = GroupedVBELookup(groups, fuse_kernels=True)
+            impls.append(_Impl(name=f"fused-{k}", lookup=fused, kernels=k))
             lookup = GroupedVBELookup(groups, fbgemm_call="module")
             impls.append(_Impl(name=f"preallocated-{k}-module", lookup=lookup, kernels=k))
         # torchrec's path: every TBE through its module, then its split/permute/cat merge.
@@ -300,7 +307,8 @@ def _run(args: argparse.Namespace, device: torch.device, kind: str) -> list[dict
         kernels = {impl.name: impl.kernels for impl in impls}
         if args.graphed:  # after the eager rows (insertion order): their warm-up fills the layout caches
             for impl in impls:
-                if impl.name == "single" or impl.name.removeprefix("preallocated-").isdigit():
+                plain = impl.name.removeprefix("preallocated-").removeprefix("fused-")
+                if impl.name == "single" or plain.isdigit():
                     steps[f"graphed-{impl.name}"] = _graphed_step(steps[impl.name], len(inputs))
                     kernels[f"graphed-{impl.name}"] = impl.kernels
         host, gpu = _time_interleaved(steps, len(inputs), args, cuda)
