@@ -121,6 +121,19 @@ class LayoutArgs:
     vbe_order: torch.Tensor | None = None
     granule: int = 1
 
+    @classmethod
+    def from_vbe_metadata(cls, metadata: Any) -> LayoutArgs:
+        """The arguments of fbgemm's VBE metadata (``_generate_vbe_metadata``'s result)."""
+        return cls(
+            max_B=metadata.max_B,
+            max_B_feature_rank=metadata.max_B_feature_rank,
+            output_size=metadata.output_size,
+            B_offsets=metadata.B_offsets,
+            output_offsets_feature_rank=metadata.output_offsets_feature_rank,
+            B_offsets_rank_per_feature=metadata.B_offsets_rank_per_feature,
+            vbe_output_offsets=metadata.vbe_output_offsets,
+        )
+
 
 PLAIN_LAYOUT = LayoutArgs(
     max_B=-1,
@@ -234,15 +247,7 @@ class DirectTBE:
             order, granule = _vbe_order(batch_sizes[0], dims)
             return replace(PLAIN_LAYOUT, vbe_order=order.to(offsets.device), granule=granule)
         metadata = self.kernel._generate_vbe_metadata(offsets, batch_sizes, None, vbe_output_offsets)
-        return LayoutArgs(
-            max_B=metadata.max_B,
-            max_B_feature_rank=metadata.max_B_feature_rank,
-            output_size=metadata.output_size,
-            B_offsets=metadata.B_offsets,
-            output_offsets_feature_rank=metadata.output_offsets_feature_rank,
-            B_offsets_rank_per_feature=metadata.B_offsets_rank_per_feature,
-            vbe_output_offsets=metadata.vbe_output_offsets,
-        )
+        return LayoutArgs.from_vbe_metadata(metadata)
 
     def __call__(
         self,

@@ -246,15 +246,7 @@ class FusedTBE:
         metadata = _fbgemm.generate_vbe_metadata(
             offsets, batch_sizes, k0.pooling_mode, self._feature_dims_cpu, offsets.device, vbe_output_offsets
         )
-        return LayoutArgs(
-            max_B=metadata.max_B,
-            max_B_feature_rank=metadata.max_B_feature_rank,
-            output_size=metadata.output_size,
-            B_offsets=metadata.B_offsets,
-            output_offsets_feature_rank=metadata.output_offsets_feature_rank,
-            B_offsets_rank_per_feature=metadata.B_offsets_rank_per_feature,
-            vbe_output_offsets=metadata.vbe_output_offsets,
-        )
+        return LayoutArgs.from_vbe_metadata(metadata)
 
     def __call__(
         self,
