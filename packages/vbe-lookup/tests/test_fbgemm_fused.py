@@ -468,13 +468,14 @@ def test_fusion_across_other_groups_in_batch_major(device: str) -> None:
 
 
 def test_fuse_kernels_off_and_legacy_keep_one_call_per_tbe() -> None:
-    """``fuse_kernels=False`` and ``merge="legacy"`` call every TBE on its own and say so."""
+    """``fuse_kernels=False`` (the default) and ``merge="legacy"`` call every TBE on its own and say so."""
     tbes = _three_tbes("cpu")
     groups = [KernelGroup(t, k, _fbgemm.tbe_feature_dims(t)) for t, k in zip(tbes, KEYS, strict=True)]
     off = GroupedVBELookup(groups, fuse_kernels=False)
     assert off._fusion is None
     assert off.fbgemm_fusion == ("unfused: fuse_kernels=False",) * 3
-    legacy = GroupedVBELookup(groups, merge="legacy")
+    assert GroupedVBELookup(groups)._fusion is None  # opt-in
+    legacy = GroupedVBELookup(groups, merge="legacy", fuse_kernels=True)
     assert legacy._fusion is None
     assert legacy.fbgemm_fusion == ("unfused: merge='legacy'",) * 3
     assert all(t.weights_host.untyped_storage().nbytes() == t.weights_host.nbytes for t in tbes)

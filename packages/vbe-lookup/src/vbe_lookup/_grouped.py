@@ -325,8 +325,9 @@ class GroupedVBELookup(nn.Module):
             that of one TBE instead of growing by fbgemm's per-call backward work with every TBE. Checked every
             forward: a kernel whose learning rate or optimizer arguments no longer match, or whose rows were
             moved or replaced (``.to()``, ``load_state_dict(assign=True)``), is planned again (fused anew or
-            called on its own). Default ``True``; ``False`` keeps one op call per TBE and the TBEs' own
-            storage (fusing copies the rows once: the fused TBEs' rows are held twice while it runs).
+            called on its own). Default ``False`` (opt-in): fusing re-binds the TBEs' storage and copies
+            their rows once (held twice while it runs), and its CUDA path has not yet run on a GPU;
+            ``False`` keeps one op call per TBE and the TBEs' own storage.
             :attr:`fbgemm_fusion` says per group whether and with which groups it is fused.
     """
 
@@ -340,7 +341,7 @@ class GroupedVBELookup(nn.Module):
         kernel_pooling: KernelPooling = "any",
         cache_fbgemm_metadata: bool = True,
         fbgemm_call: FBGEMMCall = "direct",
-        fuse_kernels: bool = True,
+        fuse_kernels: bool = False,
     ) -> None:
         super().__init__()
         groups = tuple(groups)

@@ -6,7 +6,7 @@ Compares, in one run, interleaved, medians:
 - ``preallocated-K``: the features split over K kernels (K = 2..4), one pre-allocated 1-D output
   (fbgemm TBEs on CUDA write in place through ``vbe_output``, chained; elsewhere one cached-index copy),
   one op call per TBE (``fuse_kernels=False``);
-- with fbgemm, ``fused-K``: the same K TBEs fused into ONE op call (``fuse_kernels=True``, the default): the
+- with fbgemm, ``fused-K``: the same K TBEs fused into ONE op call (``fuse_kernels=True``, opt-in): the
   host cost a step should keep near ``single``'s (the issue's targets: 1.05x for K = 2, 1.15x for K = 4, fwd+bwd);
 - ``legacy-K``: torchrec's path over the same kernels: each through its module, split/permute/cat merge;
 - with fbgemm, ``single-module`` and ``preallocated-K-module``: the same lookups calling every TBE through
