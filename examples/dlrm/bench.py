@@ -8,7 +8,9 @@ whole step is a CUDA graph replay), ``ours-plain-dense-graphs`` (CUDA, not a def
 the dense part graphed, ``--no-graph-step``), ``ours-kv``
 (pipelined, Criteo's five large tables in key-value tables on RocksDB; on one GPU the whole step a CUDA graph
 replay, the key-value rows prefetched one batch ahead), ``ours-kv-no-graph-step`` (CUDA, not a default row: the
-same with the eager step), ``torchrec-pipeline``
+same with the eager step), ``ours-kv-plain`` (not a default row: the key-value run in a plain loop, no
+pipeline: each forward fetches its own rows, which shows what the pipeline's stages cost where nothing
+overlaps, as on CPU), ``torchrec-pipeline``
 (``DistributedModelParallel`` + ``TrainPipelineSparseDist``, CUDA only: its pipeline needs streams),
 ``torchrec-plain`` (``DistributedModelParallel`` in a plain loop) and ``torchrec-plain-cat`` (the same, its
 interaction input a ``torch.cat`` of the dense output and the pooled ``KeyedTensor``'s values in the shards'
@@ -73,6 +75,7 @@ ALL_IMPLS = (
     "ours-plain-dense-graphs",
     "ours-kv-no-graph-step",
     "ours-kv-default-priority",
+    "ours-kv-plain",
 )
 CUDA_IMPLS = ALL_IMPLS[:5]  # the default rows on CUDA (torchrec's regroup kernel is fast there)
 CPU_IMPLS = tuple(
@@ -394,6 +397,8 @@ def _run(bench: BenchConfig, impl: str) -> list[int]:
         return _ours(bench, pipeline=False, kv=False, graph_step=False)
     if impl == "ours-kv-no-graph-step":
         return _ours(bench, pipeline=True, kv=True, graph_step=False)
+    if impl == "ours-kv-plain":
+        return _ours(bench, pipeline=False, kv=True)
     if impl == "ours-kv-default-priority":
         return _ours(bench, pipeline=True, kv=True, priority="default")
     if impl == "torchrec-pipeline":
