@@ -326,7 +326,7 @@ class GroupedVBELookup(nn.Module):
             forward: a kernel whose learning rate or optimizer arguments no longer match, or whose rows were
             moved or replaced (``.to()``, ``load_state_dict(assign=True)``), is planned again (fused anew or
             called on its own). Default ``False`` (opt-in): fusing re-binds the TBEs' storage and copies
-            their rows once (held twice while it runs), and its CUDA path has not yet run on a GPU;
+            their rows once (held twice while it runs: HBM may have no room for that);
             ``False`` keeps one op call per TBE and the TBEs' own storage.
             :attr:`fbgemm_fusion` says per group whether and with which groups it is fused.
     """
