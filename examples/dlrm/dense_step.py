@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DenseStep", "StepCounters", "adagrad_update", "update_and_reset"]
+__all__ = ["DenseStep", "adagrad_update", "update_and_reset"]
 
 _SUPPORTED = {"lr_decay": 0, "weight_decay": 0, "maximize": False, "differentiable": False}
 
@@ -41,7 +41,7 @@ class DenseStep:
         self._eager_steps = 0
         self._captured: torch.cuda.CUDAGraph | None = None
         self._tensors: list[torch.Tensor] = []  # what the graph read and wrote: grads, then state sums
-        self._counters = StepCounters(optimizer)
+        self._steps: list[torch.Tensor] = []  # the optimizer's step counters (host tensors)
         self._lrs: list[float] = []
 
     @property
@@ -79,7 +79,7 @@ class DenseStep:
     def _replay(self) -> None:
         assert self._captured is not None
         self._captured.replay()
-        self._counters.advance()
+        torch._foreach_add_(self._steps, 1.0)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -109,6 +109,7 @@ class DenseStep:
             update_and_reset(self.optimizer)
         self._captured = graph
         self._tensors = [*grads, *sums]  # type: ignore[list-item]
+        self._steps = [state[p]["step"] for p in params]
         self._lrs = [group["lr"] for group in self.optimizer.param_groups]
 
 
@@ -117,55 +118,6 @@ def _hooked_replay(optimizer: torch.optim.Optimizer, step: DenseStep) -> None:
     """``step``'s graph replay as a step of ``optimizer`` (hooks that count or time steps see it)."""
     del optimizer  # the wrapper's `self`
     step._replay()
-
-
-class StepCounters:
-    """An optimizer's per-parameter step counters (``state[p]["step"]``, 0-d host tensors), advanced by one op.
-
-    A replayed step adds 1 to every counter on the host; over ~20 parameters a ``_foreach_add_`` costs ~0.1 ms
-    of host time (H100 profile, 2026-12-05), the largest single op of the key-value step graph's host work.
-    The counters are re-bound once as views of one tensor (the same values, dtype and device), so that a step
-    is one ``add_`` on it; the optimizer's own ``step()`` and ``state_dict()`` see the views as before. When
-    the counters are no longer those views (``load_state_dict``, a new parameter) they are re-bound at the next
-    :meth:`advance`; counters that cannot share a tensor (mixed dtypes or devices, not 0-d) get the foreach
-    add."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-        self._views: list[torch.Tensor] = []
-        self._base: torch.Tensor | None = None
-
-    def _current(self) -> list[torch.Tensor]:
-        state = self.optimizer.state
-        return [state[p]["step"] for group in self.optimizer.param_groups for p in group["params"]]
-
-    def advance(self) -> None:
-        """Every step counter + 1."""
-        steps = self._current()
-        if (
-            self._base is None
-            or len(steps) != len(self._views)
-            or any(a is not b for a, b in zip(steps, self._views, strict=True))
-        ):
-            self._bind(steps)
-        if self._base is not None:
-            self._base.add_(1.0)
-        else:
-            torch._foreach_add_(steps, 1.0)
-
-    def _bind(self, steps: list[torch.Tensor]) -> None:
-        self._base, self._views = None, []
-        if not steps or any(
-            t.dim() != 0 or t.dtype != steps[0].dtype or t.device != steps[0].device for t in steps
-        ):
-            return
-        base = torch.stack([t.detach() for t in steps])
-        views = list(base.unbind(0))
-        state = self.optimizer.state
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        for p, view in zip(params, views, strict=True):
-            state[p]["step"] = view
-        self._base, self._views = base, views
 
 
 def update_and_reset(optimizer: torch.optim.Adagrad) -> None:

@@ -57,7 +57,7 @@ import torch
 
 from examples.dlrm.data import DLRMBatch, make_features
 from examples.dlrm.dense_graphs import pad_rows
-from examples.dlrm.dense_step import StepCounters, adagrad_update
+from examples.dlrm.dense_step import adagrad_update
 from examples.dlrm.model import DLRM
 from kt_regroup import KeyedTensor
 from ssd_tbe_adapter import KeyValueEmbeddingBags
@@ -319,7 +319,6 @@ class StepGraphs:
         self.max_graphs = max_graphs
         self.replays = 0
         self.eager_steps = 0
-        self._counters = StepCounters(optimizer)
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._seen: Counter[tuple[int, int]] = Counter()
         self._pool: Any = torch.cuda.graph_pool_handle() if capture else None
@@ -439,7 +438,7 @@ class StepGraphs:
                 loss = self._eager(batch)
                 self._start_next()
                 self.eager_steps += 1
-                _count_step(self.optimizer, self._counters)
+                _count_step(self.optimizer)
                 return loss
             captured = self._record(batch)
         captured.load(batch)
@@ -449,7 +448,7 @@ class StepGraphs:
             captured.graph.replay()
             self._start_next()  # the next batch's survey, while this one's rows are still held
         self.replays += 1
-        _count_step(self.optimizer, self._counters)
+        _count_step(self.optimizer)
         return captured.loss.clone()
 
     def _relied_on(self) -> list[torch.Tensor]:
@@ -547,7 +546,7 @@ def _local_pooled(out: Any, padded: int) -> KeyedTensor:
 
 
 @torch.optim.Optimizer.profile_hook_step
-def _count_step(optimizer: torch.optim.Optimizer, counters: StepCounters) -> None:
+def _count_step(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's step counters + 1, through its step wrapper (its hooks fire, as for ``step()``)."""
-    del optimizer  # the wrapper's `self`
-    counters.advance()
+    steps = [optimizer.state[p]["step"] for group in optimizer.param_groups for p in group["params"]]
+    torch._foreach_add_(steps, 1.0)

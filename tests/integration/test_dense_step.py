@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from examples.dlrm.dense_step import DenseStep, StepCounters, update_and_reset
+from examples.dlrm.dense_step import DenseStep, update_and_reset
 from examples.dlrm.train import dense_optimizer
 
 
@@ -107,42 +107,3 @@ def test_graphed_dense_step_matches_the_eager_step_bit_for_bit() -> None:
     handle.remove()
     assert step.graphed
     assert seen.count(id(os_)) == 12  # every step, replays too, is seen by step hooks
-
-
-def test_step_counters_advance_like_the_optimizer_and_survive_its_state_dict() -> None:
-    """One ``add_`` over the counters re-bound as views gives the foreach add's values; the optimizer's own step
-    still advances them; a ``load_state_dict`` (new counter tensors) is picked up at the next advance."""
-    model = _mlp("cpu")
-    optimizer = dense_optimizer(list(model.parameters()), lr=0.1)
-    reference = copy.deepcopy(optimizer.state_dict())
-    counters = StepCounters(optimizer)
-    x = torch.randn(8, 13)
-
-    def steps() -> list[float]:
-        return [float(optimizer.state[p]["step"]) for p in model.parameters()]
-
-    counters.advance()
-    counters.advance()
-    assert steps() == [2.0] * 4
-    _train(model, None, optimizer, x)  # Adagrad's own foreach add on the views
-    assert steps() == [3.0] * 4
-    counters.advance()
-    assert steps() == [4.0] * 4
-    saved = copy.deepcopy(optimizer.state_dict())
-    assert [float(v["step"]) for v in saved["state"].values()] == [4.0] * 4
-    optimizer.load_state_dict(reference)  # counters back at 0, new tensors
-    counters.advance()
-    assert steps() == [1.0] * 4
-    optimizer.load_state_dict(saved)
-    counters.advance()
-    assert steps() == [5.0] * 4
-
-
-def test_step_counters_of_mixed_dtypes_fall_back_to_the_foreach_add() -> None:
-    model = _mlp("cpu")
-    optimizer = dense_optimizer(list(model.parameters()), lr=0.1)
-    first = next(iter(model.parameters()))
-    optimizer.state[first]["step"] = torch.tensor(7.0, dtype=torch.float64)
-    counters = StepCounters(optimizer)
-    counters.advance()
-    assert [float(optimizer.state[p]["step"]) for p in model.parameters()] == [8.0, 1.0, 1.0, 1.0]
