@@ -495,6 +495,29 @@ def error_checks(rank: int, world: int, device: torch.device) -> list[str]:
     out = m(good[rank].features(device))
     assert out.values().shape[0] == 2
 
+    # A pipeline's order: start the next batch (bad on rank 0), run a forward in between (its own
+    # collectives), then wait. On CPU the start blocks no rank and the error comes out of the wait on
+    # every rank, so the forward in between still pairs up; on CUDA every rank raises at the start.
+    batch = good[rank]
+    if rank == 0:
+        values = batch.values.clone()
+        values[-1] = 2000
+        batch = dataclasses.replace(batch, values=values)
+    started: list[bool] = []
+
+    def pipelined() -> None:
+        handle = m.start_input_dist(batch.features(device))
+        started.append(True)
+        with torch.no_grad():
+            m(good[rank].features(device))
+        m.wait_input_dist(handle)
+
+    err = _error_of(pipelined)
+    assert started or device.type == "cuda", f"on CPU `start_input_dist` must not raise: {err!r}"
+    seen.append(_expect(err, IndexOutOfRangeError if rank == 0 else PeerRankError, "2000"))
+    out = m(good[rank].features(device))
+    assert out.values().shape[0] == 2
+
     # A plan for another world size: every rank raises, nobody hangs.
     err = _error_of(
         lambda: ShardedEmbeddingBags(TABLES, ShardingPlan.table_wise(TABLES, world + 1), device=device)
@@ -584,9 +607,37 @@ def skipped_backward_check(rank: int, world: int) -> list[str]:
     return seen
 
 
+def in_flight_check(rank: int, world: int) -> int:
+    """Input dists started two and three ahead of their waits (a deep pipeline), with payloads that outgrow
+    the CPU exchange's capacities between a start and its wait, give what one at a time gives."""
+    device = torch.device("cpu")
+    batches = [make_batches(31 + k, [2 + 3 * k] * world, weighted=k % 2 == 1)[rank] for k in range(4)]
+    plan = plans(world)[0]
+    one_at_a_time = ShardedEmbeddingBags(TABLES, plan, device=device)
+    expected = [
+        one_at_a_time.wait_input_dist(one_at_a_time.start_input_dist(b.features(device))) for b in batches
+    ]
+    ahead = ShardedEmbeddingBags(TABLES, plan, device=device)
+    handles = [ahead.start_input_dist(b.features(device)) for b in batches[:3]]
+    got = [ahead.wait_input_dist(handles[0])]
+    handles.append(ahead.start_input_dist(batches[3].features(device)))
+    got += [ahead.wait_input_dist(h) for h in handles[1:]]
+    for e, g in zip(expected, got, strict=True):
+        assert e.keys() == g.keys()
+        assert e.stride_per_key_per_rank() == g.stride_per_key_per_rank()
+        torch.testing.assert_close(g.values(), e.values())
+        torch.testing.assert_close(g.lengths(), e.lengths())
+        ew, gw = e.weights_or_none(), g.weights_or_none()
+        assert (ew is None) == (gw is None)
+        if ew is not None and gw is not None:
+            torch.testing.assert_close(gw, ew)
+    return len(got)
+
+
 def two_ranks(rank: int, world: int) -> dict[str, Any]:
     """Everything the 2-rank CPU test checks, in one spawn."""
     report = equivalence(rank, world)
+    report["in_flight"] = in_flight_check(rank, world)
     report["timeout_s"] = timeout_check(rank, world)
     report["skipped_backward"] = skipped_backward_check(rank, world)
     return report

@@ -14,7 +14,10 @@ Phases (all collectives through :class:`~vbe_lookup._dist_comm.Communicator`, wi
    sizes. A fixed-size *header* all-to-all (status, batch size, weight flags, ids sent, step number, ids per
    slot) and one ``.tolist()`` of it are the only host sync of the step; a bad input or a rank out of step
    is reported to every rank here. Then ONE all-to-all of the lengths and the ids (per peer: its lengths,
-   then its ids; every split is known from the header) is launched.
+   then its ids; every split is known from the header) is launched. On CPU (gloo) the lengths and ids ride
+   with the header in one all-to-all within per-pair capacities, and ``start`` only launches it: reading
+   the header, the checks and the error reports move to ``wait`` (on every rank alike), so a pipeline's
+   start does not wait for its peers while they still run the previous batch.
 2. ``wait``: wait for it, all-to-all the weights (if any) with explicit splits, and reorder
    ``source → slot → sample`` into VBE's ``slot (feature) → source → sample`` with an index built on the
    device from the received header.
@@ -24,8 +27,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -139,9 +142,23 @@ class DistributedFeatures:
                 t.record_stream(stream)
 
 
-@dataclass(slots=True, kw_only=True, eq=False)
 class InputDistHandle:
-    """An input dist in flight: the lengths all-to-all is running; pass it to ``wait_input_dist``."""
+    """An input dist in flight; pass it to ``wait_input_dist`` once.
+
+    On CUDA (and on a group of one) the header is read and the lengths-and-ids all-to-all is running; on
+    CPU (gloo) the one all-to-all of the header with the lengths and ids is running and ``wait`` reads it.
+    """
+
+    __slots__ = ("_state", "done")
+
+    def __init__(self, state: _Launched | _Deferred) -> None:
+        self._state = state
+        self.done = False
+
+
+@dataclass(slots=True, kw_only=True, eq=False)
+class _Launched:
+    """An input dist whose header is read: the lengths (and ids) all-to-all is running."""
 
     lengths_out: Tensor
     lengths_work: Any
@@ -157,7 +174,6 @@ class InputDistHandle:
     ids_per_slot: tuple[int, ...]  # [S_me] ids received per slot (all sources)
     batch_size_per_rank: tuple[int, ...]
     source: SourceContext
-    done: bool = False
     # A group of one: the host read still to make (then ``received``, ``ids_per_slot`` and the source's host
     # counts are filled by ``wait``).
     pending_read: PendingRead | None = None
@@ -283,9 +299,14 @@ class InputDist:
 
     # -- phase 1 ---------------------------------------------------------------------------------
     def start(self, features: Any) -> InputDistHandle:
-        """Validate, bucketize, exchange headers (reporting errors on every rank), launch the lengths."""
+        """Validate, bucketize, exchange headers (reporting errors on every rank), launch the lengths.
+
+        On CPU (gloo) the header travels with the lengths and ids in one all-to-all that is only launched
+        here: ``wait`` reads it, checks every rank's status and step, and raises there (on every rank) for
+        bad input, so a pipeline's start never waits for a peer.
+        """
         dev = self.comm.device
-        world, s_max = self.world, self.s_max
+        world = self.world
         step = self._step
         self._step += 1
         local_error: VBELookupError | None = None
@@ -302,32 +323,22 @@ class InputDist:
             header[:, _STEP] = step
             header[:, _SKIPPED] = owed
             if self._payload_caps is not None:  # the peers send their payload with the header
-                recv_hdr, _ = self._exchange_with_payload(header, [[] for _ in range(world)])
-                self._grow_caps([0] * world, recv_hdr.tolist())
-            else:
-                recv = self.comm.all_to_all(
-                    header.flatten(),
-                    [self.header_size] * world,
-                    [self.header_size] * world,
-                    "input dist header",
+                return InputDistHandle(
+                    self._launch_with_payload(header, [[] for _ in range(world)], None, local_error, step)
                 )
-                recv_hdr = recv.view(world, self.header_size)
-            rows = recv_hdr[:, [0, _STEP, _SKIPPED]].tolist()
-            self._check_steps(step, [row[1] for row in rows], [row[2] for row in rows])
-            self._raise_errors([row[0] for row in rows], str(local_error), local_error)
-            raise AssertionError("unreachable")  # _raise_errors always raises when status is bad
+            recv = self.comm.all_to_all(
+                header.flatten(), [self.header_size] * world, [self.header_size] * world, "input dist header"
+            )
+            self._raise_rejected(recv.view(world, self.header_size), step, local_error)
 
         if self.comm.alone:
-            return self._start_alone(step, keys, values, lengths, weights, batch)
-        n = values.numel()
+            return InputDistHandle(self._start_alone(step, keys, values, lengths, weights, batch))
         key_index = self._key_index(keys)
         if self._table_wise:
             buckets = self._buckets_table_wise(keys, values, lengths, weights, batch)
         else:
             buckets = self._buckets_by_shard(key_index, values, lengths, weights, batch)
-        send_values, send_weights = buckets.send_values, buckets.send_weights
-        counts = buckets.counts.view(world, s_max)
-        inverse_perm, sorted_segment = buckets.inverse_perm, buckets.sorted_segment
+        counts = buckets.counts.view(world, self.s_max)
         status = buckets.status
         header = torch.empty((world, self.header_size), dtype=torch.int64, device=dev)
         header[:, 0] = status
@@ -338,31 +349,62 @@ class InputDist:
         header[:, _STEP] = step
         header[:, _SKIPPED] = owed
         header[:, _HEADER_FIXED:] = counts
-        my_slots = self.slot_counts[self.rank]
         send_len_sizes = [self.slot_counts[d] * batch for d in range(world)]
+        outgoing = _Outgoing(
+            step=step,
+            keys=keys,
+            values=values,
+            lengths=lengths,
+            weights=weights,
+            batch=batch,
+            key_index=key_index,
+            buckets=buckets,
+            header=header,
+            counts=counts,
+            send_len_sizes=send_len_sizes,
+        )
         caps = self._payload_caps
-        if caps is not None:
-            # CPU: the lengths and ids ride with the header, in one all-to-all (reading the counts here is
-            # no device sync). Each (sender, receiver) pair has a capacity both ends know; a payload that
-            # does not fit goes in a second all-to-all, which every rank makes when any rank flags one.
-            sent_now = counts.sum(1).tolist()
-            payload = [send_len_sizes[d] + sent_now[d] for d in range(world)]
-            fits = [payload[d] <= caps.send[d] for d in range(world)]
-            pieces: list[list[Tensor]] = [[] for _ in range(world)]
-            if int(status) != _OK:  # bad input: no payload (the counts may not match the ids); all raise
-                fits = [True] * world
-            else:
-                send_len = torch.split(buckets.send_lengths, send_len_sizes)
-                send_ids = torch.split(send_values, sent_now)
-                pieces = [[send_len[d], send_ids[d]] if fits[d] else [] for d in range(world)]
-            header[:, _OVERFLOW] = int(not all(fits))
-            recv_rows, recv_parts = self._exchange_with_payload(header, pieces)
-        else:
+        if caps is None:
             header[:, _OVERFLOW] = 0
             recv = self.comm.all_to_all(
                 header.flatten(), [self.header_size] * world, [self.header_size] * world, "input dist header"
             )
-            recv_rows = recv.view(world, self.header_size)
+            return InputDistHandle(self._settle(outgoing, recv.view(world, self.header_size), []))
+        # CPU: the lengths and ids ride with the header, in one all-to-all (reading the counts here is no
+        # device sync). Each (sender, receiver) pair has a capacity both ends know; a payload that does not
+        # fit goes in a second all-to-all, which every rank makes when any rank flags one.
+        sent_now = counts.sum(1).tolist()
+        payload = [send_len_sizes[d] + sent_now[d] for d in range(world)]
+        fits = [payload[d] <= caps.send[d] for d in range(world)]
+        pieces: list[list[Tensor]] = [[] for _ in range(world)]
+        send_len: tuple[Tensor, ...] = ()
+        send_ids: tuple[Tensor, ...] = ()
+        if int(status) != _OK:  # bad input: no payload (the counts may not match the ids); all raise
+            fits = [True] * world
+        else:
+            send_len = torch.split(buckets.send_lengths, send_len_sizes)
+            send_ids = torch.split(buckets.send_values, sent_now)
+            pieces = [[send_len[d], send_ids[d]] if fits[d] else [] for d in range(world)]
+        header[:, _OVERFLOW] = int(not all(fits))
+        outgoing = replace(
+            outgoing,
+            payload=payload,
+            fits=fits,
+            send_len=send_len,
+            send_ids=send_ids,
+            recv_caps=tuple(caps.recv),
+        )
+        return InputDistHandle(self._launch_with_payload(header, pieces, outgoing, None, step))
+
+    def _settle(self, out: _Outgoing, recv_rows: Tensor, recv_parts: list[Tensor]) -> _Launched:
+        """Read the exchanged headers (the step's one host sync): check every rank's status and step,
+        then launch the lengths-and-ids all-to-all (CUDA) or take them from ``recv_parts`` (CPU)."""
+        dev = self.comm.device
+        world = self.world
+        caps = self._payload_caps
+        buckets, counts, header = out.buckets, out.counts, out.header
+        send_values, send_weights = buckets.send_values, buckets.send_weights
+        my_slots = self.slot_counts[self.rank]
         received_counts = recv_rows[:, _HEADER_FIXED : _HEADER_FIXED + my_slots]
         num_features = len(self.layout.features)
         ids_per_feature_dev = torch.zeros(num_features + 1, dtype=torch.int64, device=dev).index_add_(
@@ -379,12 +421,13 @@ class InputDist:
         ids_per_feature = tuple(flat[2 * size + my_slots :])
         if caps is not None:
             recv_payload = [my_slots * row[1] + row[4] for row in theirs]
-            included = [recv_payload[s] <= caps.recv[s] for s in range(world)]
-            self._grow_caps(payload, theirs)  # before any error is raised: every rank keeps in step
-        self._check_steps(step, [row[_STEP] for row in theirs], [row[_SKIPPED] for row in theirs])
+            # Against the capacities this exchange was launched with (a settle in between may have grown them).
+            included = [recv_payload[s] <= out.recv_caps[s] for s in range(world)]
+            self._grow_caps(out.payload, theirs)  # before any error is raised: every rank keeps in step
+        self._check_steps(out.step, [row[_STEP] for row in theirs], [row[_SKIPPED] for row in theirs])
         statuses = [row[0] for row in theirs]
         if any(statuses):
-            self._report_bad_input(statuses, keys, values, lengths, batch, key_index)
+            self._report_bad_input(statuses, out.keys, out.values, out.lengths, out.batch, out.key_index)
 
         sent = tuple(
             tuple(row[_HEADER_FIXED : _HEADER_FIXED + self.slot_counts[d]]) for d, row in enumerate(mine)
@@ -394,17 +437,17 @@ class InputDist:
         weights_present = any(row[2] for row in theirs)
         weights_need_grad = any(row[3] for row in theirs)
         if weights_present and send_weights is None:
-            send_weights = torch.ones(n, dtype=torch.float32, device=dev)
+            send_weights = torch.ones(out.values.numel(), dtype=torch.float32, device=dev)
         if send_weights is not None:
             send_weights = send_weights.to(torch.float32)
 
         source = SourceContext(
-            batch_size=batch,
-            keys=keys,
-            key_index=key_index,
-            lengths=lengths,
-            inverse_perm=inverse_perm,
-            sorted_segment=sorted_segment,
+            batch_size=out.batch,
+            keys=out.keys,
+            key_index=out.key_index,
+            lengths=out.lengths,
+            inverse_perm=buckets.inverse_perm,
+            sorted_segment=buckets.sorted_segment,
             sent=sent,
             ids_per_feature=ids_per_feature,
             sent_counts=counts.reshape(-1),
@@ -412,13 +455,17 @@ class InputDist:
         sent_ids = [row[4] for row in mine]
         received_ids = [row[4] for row in theirs]
         recv_len_sizes = [my_slots * b for b in batch_per_rank]
+        send_len_sizes = out.send_len_sizes
         values_out: Tensor | None = None
         if caps is not None:
             if any(row[_OVERFLOW] for row in theirs):  # every rank sees every flag: all of them make it
+                fits, payload = out.fits, out.payload
                 late_sizes = [0 if included[src] else recv_payload[src] for src in range(world)]
-                late_send = [t for d in range(world) if not fits[d] for t in (send_len[d], send_ids[d])]
+                late_send = [
+                    t for d in range(world) if not fits[d] for t in (out.send_len[d], out.send_ids[d])
+                ]
                 late = self.comm.all_to_all(
-                    torch.cat(late_send) if late_send else values.new_zeros(0),
+                    torch.cat(late_send) if late_send else out.values.new_zeros(0),
                     late_sizes,
                     [0 if fits[d] else payload[d] for d in range(world)],
                     "input dist lengths and ids",
@@ -443,7 +490,7 @@ class InputDist:
                 [recv_len_sizes[d] + received_ids[d] for d in range(world)],
                 [send_len_sizes[d] + sent_ids[d] for d in range(world)],
             )
-        return InputDistHandle(
+        return _Launched(
             lengths_out=merged_out,
             lengths_work=merged_work,
             send_values=send_values,
@@ -462,14 +509,23 @@ class InputDist:
             values_out=values_out,
         )
 
-    def _exchange_with_payload(
-        self, header: Tensor, pieces: list[list[Tensor]]
-    ) -> tuple[Tensor, list[Tensor]]:
-        """One all-to-all of ``[header | payload pieces | padding]`` per peer, each ``H + capacity`` long.
+    def _raise_rejected(self, recv_hdr: Tensor, step: int, error: VBELookupError) -> NoReturn:
+        """This rank rejected its input (``error``): check the steps, then raise on every rank."""
+        rows = recv_hdr[:, [0, _STEP, _SKIPPED]].tolist()
+        self._check_steps(step, [row[1] for row in rows], [row[2] for row in rows])
+        self._raise_errors([row[0] for row in rows], str(error), error)
+        raise AssertionError("unreachable")  # _raise_errors always raises when status is bad
 
-        Returns the ``[W, H]`` received headers and, per source rank, the ``capacity`` elements after its
-        header (its payload, if it fit, then padding).
-        """
+    def _launch_with_payload(
+        self,
+        header: Tensor,
+        pieces: list[list[Tensor]],
+        outgoing: _Outgoing | None,
+        error: VBELookupError | None,
+        step: int,
+    ) -> _Deferred:
+        """Launch one all-to-all of ``[header | payload pieces | padding]`` per peer, each ``H + capacity``
+        long (CPU); ``_read_deferred`` reads it."""
         caps = self._payload_caps
         assert caps is not None  # CPU only
         h = self.header_size
@@ -479,12 +535,27 @@ class InputDist:
             used = sum(t.numel() for t in pieces[d])
             parts.extend(pieces[d])
             parts.append(caps.padding(caps.send[d] - used))
-        out_splits = [h + c for c in caps.recv]
-        recv = self.comm.all_to_all(
-            torch.cat(parts), out_splits, [h + c for c in caps.send], "input dist header and ids"
+        splits = [h + c for c in caps.recv]
+        received, work = self.comm.start_all_to_all(torch.cat(parts), splits, [h + c for c in caps.send])
+        return _Deferred(
+            received=received, work=work, splits=splits, outgoing=outgoing, error=error, step=step
         )
-        per_source = torch.split(recv, out_splits)
-        return torch.stack([p[:h] for p in per_source]), [p[h:] for p in per_source]
+
+    def _read_deferred(self, deferred: _Deferred) -> _Launched:
+        """Wait for the CPU's header-and-payload all-to-all and settle it (raising for bad input anywhere).
+
+        Per source rank it holds ``H`` header elements, then ``capacity`` elements: the source's lengths
+        and ids if they fit, then padding.
+        """
+        self.comm.wait(deferred.work, "input dist header and ids")
+        per_source = torch.split(deferred.received, deferred.splits)
+        h = self.header_size
+        recv_rows = torch.stack([p[:h] for p in per_source])
+        if deferred.outgoing is None:
+            assert deferred.error is not None  # a rejected local input sends no payload
+            self._grow_caps([0] * self.world, recv_rows.tolist())
+            self._raise_rejected(recv_rows, deferred.step, deferred.error)
+        return self._settle(deferred.outgoing, recv_rows, [p[h:] for p in per_source])
 
     def _grow_caps(self, payload: list[int], theirs: list[list[int]]) -> None:
         """Grow each pair's capacity past a payload that did not fit, the same way at both ends."""
@@ -630,9 +701,17 @@ class InputDist:
         """Finish: ids and weights all-to-all, then reorder to feature → source → sample."""
         if handle.done:
             raise InvalidFeaturesError("`handle` was already passed to `wait_input_dist` once")
-        if handle.pending_read is not None:
-            self._finish_alone(handle)  # raises for bad input, the handle kept for another try
+        state = handle._state
+        if isinstance(state, _Deferred):
+            handle.done = True  # its all-to-all is read once, whether or not a rank's input was bad
+            state = handle._state = self._read_deferred(state)
+        if state.pending_read is not None:
+            self._finish_alone(state)  # raises for bad input, the handle kept for another try
         handle.done = True
+        return self._assemble(state, anchor)
+
+    def _assemble(self, handle: _Launched, anchor: Tensor | None) -> DistributedFeatures:
+        """The ids (and weights) all-to-all of a launched input dist, reordered to feature → source → sample."""
         comm = self.comm
         if handle.values_out is not None:  # the ids came with the header (CPU)
             values_out, values_work = handle.values_out, None
@@ -707,7 +786,7 @@ class InputDist:
             source=handle.source,
         )
 
-    def _split_merged(self, handle: InputDistHandle) -> Tensor:
+    def _split_merged(self, handle: _Launched) -> Tensor:
         """Wait for the one lengths-and-ids all-to-all; leave the lengths in ``handle.lengths_out`` and
         return the ids (both source-major, as two separate all-to-alls would have left them)."""
         self.comm.wait(handle.lengths_work, "input dist lengths and ids")
@@ -723,7 +802,7 @@ class InputDist:
         lengths: Tensor,
         weights: Tensor | None,
         batch: int,
-    ) -> InputDistHandle:
+    ) -> _Launched:
         """``start`` on a group of one: every id stays here, in its own shard (row 0 on), so there is
         nothing to bucketize. The checks are a few reductions whose results join the ids per key in the
         step's one host read (lengths: the smallest one and their sum; ids: the smallest one and the largest
@@ -819,7 +898,7 @@ class InputDist:
         )
         del step  # every rank is at the same step: there is no other rank
         lengths_out, lengths_work = self.comm.start_all_to_all(send_lengths, [send_lengths.numel()], [bags])
-        return InputDistHandle(
+        return _Launched(
             lengths_out=lengths_out,
             lengths_work=lengths_work,
             send_values=send_values,
@@ -855,7 +934,7 @@ class InputDist:
             self._batch_cache[batch] = cached
         return cached
 
-    def _finish_alone(self, handle: InputDistHandle) -> None:
+    def _finish_alone(self, handle: _Launched) -> None:
         """The host read ``_start_alone`` issued: raise for bad input, fill the handle's host counts."""
         pending = handle.pending_read
         assert pending is not None  # only called for a handle of _start_alone
@@ -1160,6 +1239,54 @@ class _TableWiseLayout:
     compact_of_key: Tensor
     segment_of_compact: Tensor
     segment_of_key: Tensor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Outgoing:
+    """What ``start`` built for the header exchange, kept for reading its answer (see ``_settle``).
+
+    ``payload``, ``fits``, ``send_len``, ``send_ids`` and ``recv_caps`` are the CPU's: per peer, the int64
+    elements of its lengths and ids, whether they fit its capacity, the two pieces themselves, and the
+    receive capacities the exchange was launched with.
+    """
+
+    step: int
+    keys: tuple[str, ...]
+    values: Tensor
+    lengths: Tensor
+    weights: Tensor | None
+    batch: int
+    key_index: Tensor
+    buckets: _Buckets
+    header: Tensor
+    counts: Tensor
+    send_len_sizes: list[int]
+    payload: list[int] = field(default_factory=list)
+    fits: list[bool] = field(default_factory=list)
+    send_len: tuple[Tensor, ...] = ()
+    send_ids: tuple[Tensor, ...] = ()
+    recv_caps: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class _Deferred:
+    """CPU: the header-and-payload all-to-all in flight, read by ``wait`` (a pipeline's start does not block).
+
+    Attributes:
+        received: Its receive buffer, per source rank ``header + capacity`` int64 elements.
+        work: Its work handle.
+        splits: The per-source sizes of ``received``.
+        outgoing: What this rank sent, or ``None`` when its own input was rejected (``error``).
+        error: This rank's own input error, raised by ``wait`` after every rank has read every status.
+        step: This rank's input dist count at ``start``.
+    """
+
+    received: Tensor
+    work: Any
+    splits: list[int]
+    outgoing: _Outgoing | None
+    error: VBELookupError | None
+    step: int
 
 
 class _PayloadCaps:

@@ -358,10 +358,12 @@ class _ShardedModule(nn.Module):
     def start_input_dist(self, features: Any) -> InputDistHandle:
         """Start distributing this rank's local batch (``KeyedJaggedTensorLike``, ``[[B]] * F`` strides).
 
-        Exchanges the header (host sync) with the lengths and ids (CPU) or launches their all-to-all
-        (CUDA). Any bad input on any rank
-        (unknown or missing features, ids out of range, inconsistent lengths) raises on every rank:
-        the offending rank gets the specific error, the others :class:`PeerRankError`. On a group of one
+        CUDA: exchanges the header (host sync) and launches the lengths-and-ids all-to-all; CPU (gloo):
+        launches the one all-to-all of the header with the lengths and ids, which
+        :meth:`wait_input_dist` reads. Any bad input on any rank (unknown or missing features, ids out
+        of range, inconsistent lengths) raises on every rank, here on CUDA and in
+        :meth:`wait_input_dist` on CPU: the offending rank gets the specific error, the others
+        :class:`PeerRankError`. On a group of one
         rank nothing is exchanged: the checks run on the device and their host read (the step's one
         sync) is made by :meth:`wait_input_dist`, which raises for ids out of range or bad lengths, so a
         pipeline's start never blocks the host.
