@@ -622,7 +622,22 @@ def in_flight_check(rank: int, world: int) -> int:
     got = [ahead.wait_input_dist(handles[0])]
     handles.append(ahead.start_input_dist(batches[3].features(device)))
     got += [ahead.wait_input_dist(h) for h in handles[1:]]
-    for e, g in zip(expected, got, strict=True):
+    # CUDA's protocol on gloo (the header read by the start, then one lengths-and-ids all-to-all): the same.
+    header_first = ShardedEmbeddingBags(TABLES, plan, device=device)
+    header_first._input_dist._payload_caps = None
+    for b in batches:
+        got.append(header_first.wait_input_dist(header_first.start_input_dist(b.features(device))))
+    bad = batches[0]
+    if rank == 0:
+        bad = dataclasses.replace(bad, values=bad.values.clone().fill_(3000))
+    err = _error_of(lambda: header_first.start_input_dist(bad.features(device)))
+    _expect(err, IndexOutOfRangeError if rank == 0 else PeerRankError, "3000")
+    bad = batches[1]
+    if rank == 1:
+        bad = dataclasses.replace(bad, keys=[*bad.keys[:-1], "nope"])
+    err = _error_of(lambda: header_first.start_input_dist(bad.features(device)))
+    _expect(err, UnknownFeatureError if rank == 1 else PeerRankError, "`nope`")
+    for e, g in zip(expected * 2, got, strict=True):
         assert e.keys() == g.keys()
         assert e.stride_per_key_per_rank() == g.stride_per_key_per_rank()
         torch.testing.assert_close(g.values(), e.values())

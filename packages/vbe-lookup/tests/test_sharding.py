@@ -508,7 +508,7 @@ def test_two_ranks_gloo_equal_unsharded_reference() -> None:
         "ShardingPlanError",
         "PeerRankError",
     ]
-    assert [r["in_flight"] for r in reports] == [4, 4]
+    assert [r["in_flight"] for r in reports] == [8, 8]
     assert 0.9 <= reports[0]["timeout_s"] < 10
     assert reports[0]["skipped_backward"] == ["PeerRankError", "CollectiveOrderError"]
     assert reports[1]["skipped_backward"] == ["CollectiveOrderError", "CollectiveOrderError"]
