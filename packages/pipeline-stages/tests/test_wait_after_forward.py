@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline_stages import PipelineStage, Prefetchable, SparseDataDistUtil, StagedTrainPipeline
+from pipeline_stages import (
+    OutputDistOverlap,
+    PipelineStage,
+    Prefetchable,
+    SparseDataDistUtil,
+    StagedTrainPipeline,
+)
 
 Log = list[tuple[str, int]]
 
@@ -110,12 +117,35 @@ class CachedBag(nn.Module):
         return self.weight[cached]  # [B, dim]
 
 
+class OverlappingBag(CachedBag):
+    """A ``CachedBag`` whose forward ends in a host-blocking "output collective" and implements
+    ``OutputDistOverlap``: the registered callback runs between its launch and its wait (logged)."""
+
+    def __init__(self, log: Log, **table: Any) -> None:
+        super().__init__(log, **table)
+        self.overlap: Callable[[], None] | None = None
+
+    def set_output_dist_overlap(self, callback: Callable[[], None] | None) -> None:
+        self.overlap = callback
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pooled = super().forward(ids)
+        token = self.log[-1][1]  # the batch whose forward ran (logged by CachedBag.forward)
+        self.log.append(("launch", token))
+        try:
+            if self.overlap is not None:
+                self.overlap()
+        finally:
+            self.log.append(("waited", token))
+        return pooled
+
+
 class Tiny(nn.Module):
     """Embedding + dense, trained with a BCE loss; ``loss()`` is a method that runs no model hooks."""
 
-    def __init__(self, log: Log, **table: Any) -> None:
+    def __init__(self, log: Log, overlapping: bool = False, **table: Any) -> None:
         super().__init__()
-        self.table = CachedBag(log, **table)
+        self.table = OverlappingBag(log, **table) if overlapping else CachedBag(log, **table)
         self.dense = nn.Linear(4, 4)
         self.head = nn.Linear(8, 1)
         self.log = log
@@ -229,10 +259,12 @@ def test_without_a_prefetch_stage_the_next_dist_is_waited_after_the_forward() ->
     assert sdd.num_in_flight == 0
 
 
-def _train(mode: str, call: str, steps: int = 9) -> tuple[dict[str, torch.Tensor], list[float], Log]:
+def _train(
+    mode: str, call: str, steps: int = 9, overlapping: bool = False
+) -> tuple[dict[str, torch.Tensor], list[float], Log]:
     log: Log = []
     torch.manual_seed(0)
-    model = Tiny(log)
+    model = Tiny(log, overlapping=overlapping)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     batches = iter(make_batches(steps))
     losses = []
@@ -335,4 +367,90 @@ def test_an_eval_forward_between_steps_runs_plain_and_changes_nothing() -> None:
     pipelined = {t for kind, t in log if kind == "forward"}
     assert len(pipelined) == 10
     assert all(log.count(("prefetch", t)) == 1 for t in pipelined)
+    assert sdd.num_in_flight == 0
+
+
+# ---------------------------------------------------------------- OutputDistOverlap modules
+
+
+@pytest.mark.parametrize("call", CALLS, ids=CALLS)
+def test_the_next_batch_is_prepared_while_the_output_collective_is_in_flight(call: str) -> None:
+    """A module implementing OutputDistOverlap: batch i+1's wait and prefetch run inside forward i's output
+    collective window (between its launch and its wait), not after the forward; weights equal the plain loop's.
+    """
+    log: Log = []
+    model = Tiny(log, overlapping=True)
+    assert isinstance(model.table, OutputDistOverlap)
+    sdd = SparseDataDistUtil(model)
+    assert model.table.overlap is not None
+    pipeline = StagedTrainPipeline(stages(sdd))
+    it = iter(make_batches(5))
+    steps = []
+    while (batch := pipeline.progress(it)) is not None:
+        log.clear()
+        forward(model, batch, call)
+        steps.append(list(log))
+
+    def window(i: int, prepare: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        t = i + 1
+        return [("forward", t), ("launch", t), *prepare, ("waited", t), ("head", i)]
+
+    assert steps == [
+        window(0, [("prefetch", 2)]),
+        window(1, [("wait", 3), ("prefetch", 3)]),
+        window(2, [("wait", 4), ("prefetch", 4)]),
+        window(3, [("wait", 5), ("prefetch", 5)]),
+        window(4, []),
+    ]
+    assert sdd.num_in_flight == 0
+
+    state, losses, _ = _train("pipelined-after-forward", call, overlapping=True)
+    plain_state, plain_losses, _ = _train("plain", call, overlapping=True)
+    assert losses == plain_losses
+    for key in state:
+        assert torch.equal(state[key], plain_state[key]), key
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python >= 3.11")
+@pytest.mark.parametrize("call", CALLS, ids=CALLS)
+def test_an_error_of_the_overlapped_prefetch_surfaces_after_the_collective(call: str) -> None:
+    """The callback never raises into the module's collective: the prefetch error comes out of the forward
+    once the collective was waited for, with the note naming the batch; the batch's own forward retries it."""
+    log: Log = []
+    model = Tiny(log, overlapping=True, fail_prefetch_of={3})
+    sdd = SparseDataDistUtil(model)
+    pipeline = StagedTrainPipeline(stages(sdd))
+    it = iter(make_batches(6))
+    errors = []
+    while (batch := pipeline.progress(it)) is not None:
+        try:
+            forward(model, batch, call)
+        except ConnectionError as caught:
+            errors.append((batch.index, caught, list(log)))
+    [(index, error, log_then)] = errors
+    assert index == 1
+    assert log_then[-1] == ("waited", 2)  # the collective of batch 1 (token 2) completed first
+    assert any("wait/prefetch of batch 2" in note for note in getattr(error, "__notes__", []))
+    assert [t for kind, t in log if kind == "forward"] == [1, 2, 3, 4, 5, 6]
+    assert log.count(("prefetch", 3)) == 1
+    assert log.index(("prefetch", 3)) < log.index(("forward", 3))
+    assert sdd.num_in_flight == 0
+
+
+def test_the_callback_is_registered_only_with_wait_after_forward_and_removed_by_detach() -> None:
+    """wait_after_forward=False keeps torchrec's placement (no callback); detach() removes it, attach() puts
+    it back; an eval forward (no batch handed out) runs the callback as a no-op."""
+    model = Tiny([], overlapping=True)
+    table = model.table
+    assert isinstance(table, OverlappingBag)
+    SparseDataDistUtil(model, wait_after_forward=False)
+    assert table.overlap is None
+    sdd = SparseDataDistUtil(model)
+    assert table.overlap is not None
+    sdd.detach()
+    assert table.overlap is None
+    sdd.attach()
+    assert table.overlap is not None
+    with torch.no_grad():
+        model(make_batches(1)[0])
     assert sdd.num_in_flight == 0

@@ -649,10 +649,78 @@ def in_flight_check(rank: int, world: int) -> int:
     return len(got)
 
 
+def overlap_check(rank: int, world: int) -> list[str]:
+    """``set_output_dist_overlap``: a pipeline's callback, run while the output all-to-all is in flight, waits
+    for the next batch's input dist there; pooled and sequence outputs, gradients and tables equal plain
+    forwards'. A callback that raises (on rank 0 only) comes out of that rank's forward once the all-to-all
+    completed, and the ranks stay in step: the next step raises on every rank as for a dropped output."""
+    device = torch.device("cpu")
+    init = initial_tables(41)
+    plan = plans(world)[0]
+    batches = [make_batches(42 + k, [3 + k] * world, weighted=k == 1)[rank] for k in range(3)]
+    factory = torch_kernel_factory(learning_rate=LR)
+    plain = ShardedEmbeddingBags(TABLES, plan, kernel_factory=factory, device=device)
+    piped = ShardedEmbeddingBags(TABLES, plan, kernel_factory=factory, device=device)
+    for m in (plain, piped):
+        m.load_state_dict(init)
+    next_dist: list[Any] = []
+    pending: list[Any] = []
+    calls: list[int] = []
+
+    def prepare_next() -> None:  # what SparseDataDistUtil does there: wait for the next batch's dist
+        calls.append(len(pending))
+        if pending:
+            next_dist.append(piped.wait_input_dist(pending.pop()))
+
+    piped.set_output_dist_overlap(prepare_next)
+    next_dist.append(piped.wait_input_dist(piped.start_input_dist(batches[0].features(device))))
+    for k, batch in enumerate(batches):
+        if k + 1 < len(batches):
+            pending.append(piped.start_input_dist(batches[k + 1].features(device)))
+        piped.enqueue_pipelined_input(next_dist.pop())
+        got = piped(None)
+        expected = plain(batch.features(device))
+        close(got.values(), expected.values(), f"pooled output of step {k}")
+        g = grad_seed(43 + k, expected.values().shape[0])
+        for out in (got, expected):
+            backward((out.values() * g).sum())
+    assert calls == [1, 1, 0]
+    for (_, a, _), (_, b, _) in zip(piped._local_shards(), plain._local_shards(), strict=True):
+        close(a, b, "tables after pipelined steps")
+    sequence = ShardedSequenceEmbeddings(TABLES, plan, device=device)
+    seq_calls: list[int] = []
+    sequence.set_output_dist_overlap(lambda: seq_calls.append(1))
+    with torch.no_grad():
+        sequence(batches[0].features(device))
+    assert seq_calls == [1]
+
+    seen: list[str] = []
+
+    def fail_on_rank_0() -> None:
+        if rank == 0:
+            raise ValueError("store unavailable")
+
+    piped.set_output_dist_overlap(fail_on_rank_0)
+    try:
+        out = piped(batches[0].features(device))
+    except ValueError:
+        seen.append("ValueError")
+    else:
+        seen.append("ok")
+        backward(out.values().sum())
+    piped.set_output_dist_overlap(None)
+    err = _error_of(lambda: piped(batches[1].features(device)))
+    seen.append(type(err).__name__)
+    with torch.no_grad():  # in step again
+        assert piped(batches[1].features(device)).values().shape[0] == 4
+    return seen
+
+
 def two_ranks(rank: int, world: int) -> dict[str, Any]:
     """Everything the 2-rank CPU test checks, in one spawn."""
     report = equivalence(rank, world)
     report["in_flight"] = in_flight_check(rank, world)
+    report["overlap"] = overlap_check(rank, world)
     report["timeout_s"] = timeout_check(rank, world)
     report["skipped_backward"] = skipped_backward_check(rank, world)
     return report

@@ -38,7 +38,7 @@ from vbe_lookup._dist_input import InputDist
 from vbe_lookup._features import VBEFeatures
 from vbe_lookup._sharding_plan import ShardingLayout
 from vbe_lookup._torch_kernel import TorchEmbeddingKernel
-from vbe_lookup.errors import BatchLayoutError
+from vbe_lookup.errors import BatchLayoutError, ConfigurationError
 from vbe_lookup.interfaces import EmbeddingKernel
 from vbe_lookup.sharding import (
     KernelSpec,
@@ -260,6 +260,19 @@ def test_single_rank_pipelined_input_is_fifo(one_rank: None) -> None:
         queued = [m(None).values(), m(None).values()]
     for a, b in zip(direct, queued, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_single_rank_never_runs_the_output_dist_overlap(one_rank: None) -> None:
+    """A group of one issues no output all-to-all, so the overlap callback never runs; a non-callable is a
+    clear error."""
+    del one_rank
+    m = ShardedEmbeddingBags(TABLES, ShardingPlan.table_wise(TABLES, 1))
+    calls: list[int] = []
+    m.set_output_dist_overlap(lambda: calls.append(1))
+    m(make_batches(3, [2], False)[0].features(torch.device("cpu")))
+    assert calls == []
+    with pytest.raises(ConfigurationError, match="`callback` must be callable or None"):
+        m.set_output_dist_overlap(3)  # type: ignore[arg-type]  # wrong on purpose
 
 
 def test_single_rank_state_dict_nested_in_a_model(one_rank: None) -> None:
@@ -489,7 +502,8 @@ def test_two_ranks_gloo_equal_unsharded_reference() -> None:
     """2 gloo ranks: outputs, weight grads and tables after k steps equal the unsharded reference;
     bad input and bad plans raise on every rank (on CPU a pipelined start's bad input raises at its wait,
     on every rank, after a forward in between; input dists started several batches ahead give what one at a
-    time gives); a missing peer times out instead of hanging; a rank
+    time gives; a callback run while the output all-to-all is in flight waits for the next batch's dist and
+    changes no result, and its error leaves the ranks in step); a missing peer times out instead of hanging; a rank
     that skips backward or is at another step makes every rank raise, the peers' tables intact."""
     reports = _dist_harness.run_ranks(_dist_workers.two_ranks, 2, timeout_s=240)
     for r in reports:
@@ -509,6 +523,8 @@ def test_two_ranks_gloo_equal_unsharded_reference() -> None:
         "PeerRankError",
     ]
     assert [r["in_flight"] for r in reports] == [8, 8]
+    assert reports[0]["overlap"] == ["ValueError", "CollectiveOrderError"]
+    assert reports[1]["overlap"] == ["ok", "PeerRankError"]
     assert 0.9 <= reports[0]["timeout_s"] < 10
     assert reports[0]["skipped_backward"] == ["PeerRankError", "CollectiveOrderError"]
     assert reports[1]["skipped_backward"] == ["CollectiveOrderError", "CollectiveOrderError"]

@@ -24,7 +24,13 @@ from pipeline_stages.errors import (
     SparseFeaturesError,
     StageError,
 )
-from pipeline_stages.interfaces import KeyedTensorLike, Pipelineable, Prefetchable, SparseDistModule
+from pipeline_stages.interfaces import (
+    KeyedTensorLike,
+    OutputDistOverlap,
+    Pipelineable,
+    Prefetchable,
+    SparseDistModule,
+)
 
 __all__ = [
     "BackwardOverlap",
@@ -32,6 +38,7 @@ __all__ = [
     "InvalidStageError",
     "KeyedTensorLike",
     "NoSparseModulesError",
+    "OutputDistOverlap",
     "PipelineError",
     "PipelineStage",
     "Pipelineable",

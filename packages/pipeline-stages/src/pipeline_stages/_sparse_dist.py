@@ -22,6 +22,8 @@ and keeps one context per in-flight batch, in a FIFO that advances in lockstep w
   when the model is called (``model(batch)``), else at the end of the last sparse module's forward (a
   training loop that calls another method of the model, which runs no model hooks), the oldest context
   whose prefetch was deferred is waited and prefetched; without one, the oldest unwaited dist is waited.
+  A module implementing :class:`~pipeline_stages.interfaces.OutputDistOverlap` runs this earlier, while its
+  host waits for its output collective (CPU process groups), once the forward consumed every module's part.
 
 Which context a forward consumes: when the util's bound methods are stage callables of a
 :class:`~pipeline_stages.StagedTrainPipeline`, the pipeline tags every context with its batch's sequence
@@ -48,7 +50,7 @@ from torch.utils.hooks import RemovableHandle
 from pipeline_stages._sequence import CURRENT_BATCH
 from pipeline_stages._streams import new_event, record_stream_all, stream_context
 from pipeline_stages.errors import InvalidStageError, NoSparseModulesError, SparseFeaturesError
-from pipeline_stages.interfaces import Prefetchable, SparseDistModule
+from pipeline_stages.interfaces import OutputDistOverlap, Prefetchable, SparseDistModule
 
 __all__ = ["SparseDataDistUtil"]
 
@@ -197,6 +199,9 @@ class SparseDataDistUtil:
         self._active: _BatchContext | None = None  # context of the forward in progress (_PLAIN: none)
         self._in_model_forward = False  # between the model's forward pre- and post-hook
         self._consumed_in_forward = False  # the forward in progress consumed a context (every module's part)
+        # Raised by the next batch's wait/prefetch run inside a module's output collective wait; re-raised
+        # by that module's forward post-hook (a module's callback must not raise mid-collective).
+        self._overlap_error: Exception | None = None
         self.attach()
 
     # ---------------------------------------------------------------- discovery and hooks
@@ -240,6 +245,8 @@ class SparseDataDistUtil:
             assert isinstance(module, nn.Module)
             self._hooks.append(module.register_forward_pre_hook(self._module_pre_hook(name)))
             self._hooks.append(module.register_forward_hook(self._module_post_hook))
+            if self.wait_after_forward and isinstance(module, OutputDistOverlap):
+                module.set_output_dist_overlap(self._while_output_dist_in_flight)
         self._hooks.append(self.model.register_forward_hook(self._model_post_hook))
 
     def detach(self) -> nn.Module:
@@ -251,6 +258,9 @@ class SparseDataDistUtil:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for module in self._modules.values():
+            if isinstance(module, OutputDistOverlap):
+                module.set_output_dist_overlap(None)
         return self.model
 
     def reset(self) -> None:
@@ -261,6 +271,7 @@ class SparseDataDistUtil:
         self._contexts.clear()
         self._active = None
         self._in_model_forward = self._consumed_in_forward = False
+        self._overlap_error = None
 
     # ---------------------------------------------------------------- stages
 
@@ -405,6 +416,16 @@ class SparseDataDistUtil:
                 )
             raise
 
+    def _while_output_dist_in_flight(self) -> None:
+        """A driven module's host waits for its output collective: prepare the next batch now if due."""
+        if not self._consumed_in_forward or self._overlap_error is not None:
+            return
+        self._consumed_in_forward = False  # done here: the post-hooks then skip it
+        try:
+            self._after_forward()
+        except Exception as error:
+            self._overlap_error = error
+
     def _wait(self, ctx: _BatchContext) -> None:
         with (
             record_function(f"## wait_sparse_data_dist {ctx.index} ##"),
@@ -499,6 +520,12 @@ class SparseDataDistUtil:
 
     def _module_post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """End of a sparse module's forward: outside a model forward, the point to prepare the next batch."""
+        error, self._overlap_error = self._overlap_error, None
+        if error is not None:
+            if self._in_model_forward:  # the model forward ends with this error: its post-hook won't run
+                self._active = None
+                self._in_model_forward = False
+            raise error
         if self._consumed_in_forward and not self._in_model_forward and self.wait_after_forward:
             self._consumed_in_forward = False
             self._after_forward()

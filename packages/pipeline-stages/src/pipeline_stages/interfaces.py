@@ -9,6 +9,8 @@ objects fit too.
   phases, start then wait, and which accepts already-distributed input for its next forward.
 * :class:`Prefetchable`: a module that can pull the rows a distributed batch will look up into a faster
   tier (cache, HBM) ahead of the forward, e.g. a key-value (SSD) embedding table.
+* :class:`OutputDistOverlap`: a sparse module whose forward can run a callback while the host waits for its
+  output collective (gloo), where a pipeline prepares the next batch instead of waiting idle.
 * :class:`KeyedTensorLike`: pooled embeddings of several keys (torchrec's ``KeyedTensor``, kt-regroup's,
   vbe-lookup's pooled output), an embedding module output that :class:`~pipeline_stages.BackwardOverlap` cuts.
 
@@ -23,11 +25,12 @@ forwards (``detach()`` then leaves the module exactly as it was).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-__all__ = ["KeyedTensorLike", "Pipelineable", "Prefetchable", "SparseDistModule"]
+__all__ = ["KeyedTensorLike", "OutputDistOverlap", "Pipelineable", "Prefetchable", "SparseDistModule"]
 
 _PipelineableT = TypeVar("_PipelineableT", bound="Pipelineable")
 
@@ -71,6 +74,23 @@ class Prefetchable(Protocol):
 
         ``forward_stream`` is the stream the forward that consumes them will run on (None on CPU).
         """
+        ...
+
+
+@runtime_checkable
+class OutputDistOverlap(Protocol):
+    """A sparse module that runs a callback while its forward's host waits for the output collective.
+
+    :class:`~pipeline_stages.SparseDataDistUtil` (``wait_after_forward=True``) registers one on every driven
+    module that has it: the next batch's input dist wait and prefetch then run while the current batch's
+    pooled embeddings are in flight, instead of after the forward returns. A module calls it only where
+    the wait blocks the host (a CPU process group); on CUDA the wait is stream-ordered and the callback
+    runs after the forward as before.
+    """
+
+    def set_output_dist_overlap(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback()`` in every later forward between launching the output collective and waiting
+        for it (``None`` removes it); the collective is waited for even when the callback raises."""
         ...
 
 

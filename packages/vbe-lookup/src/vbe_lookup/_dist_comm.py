@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,11 @@ class Communicator:
         self._alone = self.world_size == 1  # a group of one: no collective is ever issued
 
     @property
+    def host_blocking(self) -> bool:
+        """Whether waiting for a collective blocks the host (gloo; NCCL's waits are stream-ordered)."""
+        return self._host_timeout
+
+    @property
     def alone(self) -> bool:
         """A group of one rank: no collective is issued (its callers may skip the exchange's bookkeeping)."""
         return self._alone
@@ -115,9 +121,28 @@ class Communicator:
         )
         return out, work
 
-    def all_to_all(self, x: Tensor, out_splits: list[int], in_splits: list[int], what: str) -> Tensor:
-        """Blocking ``all_to_all_single`` (no autograd): rank ``r`` gets ``in_splits[r]`` rows of ``x``."""
+    def all_to_all(
+        self,
+        x: Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        what: str,
+        while_in_flight: Callable[[], None] | None = None,
+    ) -> Tensor:
+        """Blocking ``all_to_all_single`` (no autograd): rank ``r`` gets ``in_splits[r]`` rows of ``x``.
+
+        ``while_in_flight`` runs once the collective is launched and before it is waited for, when that
+        wait would block the host (:attr:`host_blocking`) and a collective is issued at all (not in a group
+        of one): host work that would otherwise wait idle. The collective is waited for even when it
+        raises (its error then propagates), so every rank's collectives stay in step.
+        """
         out, work = self.start_all_to_all(x, out_splits, in_splits)
+        if while_in_flight is not None and self._host_timeout and not self._alone:
+            try:
+                while_in_flight()
+            except BaseException:
+                self.wait(work, what)
+                raise
         self.wait(work, what)
         return out
 
@@ -128,12 +153,14 @@ class Communicator:
         in_splits: list[int],
         what: str,
         anchor: Tensor | None,
+        while_in_flight: Callable[[], None] | None = None,
     ) -> Tensor:
         """``all_to_all_single`` whose backward is the reverse all-to-all of the gradient.
 
         ``anchor`` (a 0-element leaf that requires grad) makes the output require grad on every rank even
         when ``x`` does not (a rank that holds no tables), so that all ranks run the backward collective
-        together; pass it whenever grad mode is on.
+        together; pass it whenever grad mode is on. ``while_in_flight``: see :meth:`all_to_all` (forward
+        only).
         """
         if self._alone:  # its own block is everything; the gradient flows back to it unchanged
             if anchor is not None and not x.requires_grad:
@@ -141,9 +168,9 @@ class Communicator:
                 return x + anchor.sum().to(x.dtype)
             return x
         if anchor is None and not x.requires_grad:
-            return self.all_to_all(x, out_splits, in_splits, what)
+            return self.all_to_all(x, out_splits, in_splits, what, while_in_flight)
         inputs = (x, anchor if anchor is not None else x.new_empty(0))
-        out: Tensor = _AllToAll.apply(self, what, out_splits, in_splits, *inputs)  # type: ignore[no-untyped-call]  # Function.apply is untyped
+        out: Tensor = _AllToAll.apply(self, what, out_splits, in_splits, while_in_flight, *inputs)  # type: ignore[no-untyped-call]  # Function.apply is untyped
         return out
 
     def _track(self, ctx: Any, record: _BackwardCollective) -> None:
@@ -234,28 +261,48 @@ class _AllToAll(torch.autograd.Function):
         what: str,
         out_splits: list[int],
         in_splits: list[int],
+        while_in_flight: Callable[[], None] | None,
         x: Tensor,
         anchor: Tensor,
     ) -> Tensor:
         ctx.comm = comm
         ctx.what = what
         ctx.splits = (out_splits, in_splits)
-        out = comm.all_to_all(x.detach(), out_splits, in_splits, what)
+        raised: list[BaseException] = []
+
+        def guarded() -> None:
+            assert while_in_flight is not None
+            try:
+                while_in_flight()
+            except Exception as error:  # raised once this call owes its backward (below)
+                raised.append(error)
+
+        out = comm.all_to_all(
+            x.detach(), out_splits, in_splits, what, guarded if while_in_flight is not None else None
+        )
         record = _BackwardCollective(
             next(comm._order), f"backward of {what}", tuple(out.shape), out.dtype, out_splits, in_splits
         )
         comm._track(ctx, record)
+        if raised:
+            # The graph dies with this error: the finalizer records the backward owed to the peers. No
+            # frame of this call keeps the error (a cycle through its traceback would keep `ctx` alive).
+            error = raised.pop()
+            try:
+                raise error
+            finally:
+                del error
         # A view: the process group's work may hold `out` a while after the wait; the graph (and the
         # skipped-backward finalizer) must live exactly as long as the user's tensor.
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None, Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None, None, None, Tensor, None]:
         comm: Communicator = ctx.comm
         ctx.pending.done[0] = True
         out_splits, in_splits = ctx.splits
         back = comm.all_to_all(grad.contiguous(), in_splits, out_splits, f"backward of {ctx.what}")
-        return None, None, None, None, back, None
+        return None, None, None, None, None, back, None
 
 
 def _on_graph_freed(

@@ -11,6 +11,7 @@ output, no scatter-add). Sequence blocks are gathered back into the original id 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,6 +59,7 @@ class _OutputDistBase:
         in_splits: list[int],
         anchor: Tensor | None,
         what: str,
+        while_in_flight: Callable[[], None] | None,
     ) -> Tensor:
         if lookup_out.numel() != sum(in_splits):
             raise BatchLayoutError(
@@ -65,7 +67,7 @@ class _OutputDistBase:
                 f"batch needs {sum(in_splits)} ({in_splits} per source rank)"
             )
         flat = lookup_out if lookup_out.dim() == 1 else lookup_out.reshape(-1)  # no view node when 1-D
-        return self.comm.all_to_all_autograd(flat, out_splits, in_splits, what, anchor)
+        return self.comm.all_to_all_autograd(flat, out_splits, in_splits, what, anchor, while_in_flight)
 
 
 class PooledOutputDist(_OutputDistBase):
@@ -114,12 +116,23 @@ class PooledOutputDist(_OutputDistBase):
                     inverse[c] = j
                 self._alone_columns = torch.tensor(inverse, dtype=torch.int64).to(comm.device)
 
-    def __call__(self, lookup_out: Tensor, dist: DistributedFeatures, anchor: Tensor | None) -> Tensor:
-        """Return ``[B, sum(dims)]`` pooled embeddings of the local batch, keys in global feature order."""
+    def __call__(
+        self,
+        lookup_out: Tensor,
+        dist: DistributedFeatures,
+        anchor: Tensor | None,
+        while_in_flight: Callable[[], None] | None = None,
+    ) -> Tensor:
+        """Return ``[B, sum(dims)]`` pooled embeddings of the local batch, keys in global feature order.
+
+        ``while_in_flight`` runs while the host would wait for the exchange (``Communicator.all_to_all``).
+        """
         batch = dist.source.batch_size
         in_splits = [b * self.dim_per_rank[self.rank] for b in dist.batch_size_per_rank]
         out_splits = [batch * self.dim_per_rank[d] for d in range(self.world)]
-        recv = self._exchange(lookup_out, out_splits, in_splits, anchor, "pooled output dist")
+        recv = self._exchange(
+            lookup_out, out_splits, in_splits, anchor, "pooled output dist", while_in_flight
+        )
         out: Tensor
         if self._permutation:
             target, inverse = self._target(batch), self._inverse(batch)
@@ -220,8 +233,17 @@ class SequenceOutputDist(_OutputDistBase):
                 seg_dim[d * self.s_max + j] = dim
         self._seg_dim = torch.tensor(seg_dim, dtype=torch.int64).to(comm.device)
 
-    def __call__(self, lookup_out: Tensor, dist: DistributedFeatures, anchor: Tensor | None) -> list[Tensor]:
-        """Return, per global feature, ``[ids of the feature in the local batch, dim]`` in input order."""
+    def __call__(
+        self,
+        lookup_out: Tensor,
+        dist: DistributedFeatures,
+        anchor: Tensor | None,
+        while_in_flight: Callable[[], None] | None = None,
+    ) -> list[Tensor]:
+        """Return, per global feature, ``[ids of the feature in the local batch, dim]`` in input order.
+
+        ``while_in_flight``: as in :meth:`PooledOutputDist.__call__`.
+        """
         src = dist.source
         my_dims = self.layout.ranks[self.rank].slot_dims
         counts = dist.ids_per_slot_per_rank  # [S][W]
@@ -230,7 +252,9 @@ class SequenceOutputDist(_OutputDistBase):
             sum(n * dim for n, dim in zip(src.sent[d], self.layout.ranks[d].slot_dims, strict=True))
             for d in range(self.world)
         ]
-        recv = self._exchange(lookup_out, out_splits, in_splits, anchor, "sequence output dist")
+        recv = self._exchange(
+            lookup_out, out_splits, in_splits, anchor, "sequence output dist", while_in_flight
+        )
 
         # Per padded segment (rank * S_max + slot): where it starts in the send order and in the received
         # buffer, from the device-side counts sent (no host lists, no host-to-device copy).

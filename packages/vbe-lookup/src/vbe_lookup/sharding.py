@@ -63,7 +63,7 @@ from vbe_lookup._sharding_plan import (
     TableWise,
 )
 from vbe_lookup._torch_kernel import Optimizer, TorchEmbeddingKernel
-from vbe_lookup.errors import InvalidFeaturesError, VBELookupError
+from vbe_lookup.errors import ConfigurationError, InvalidFeaturesError, VBELookupError
 from vbe_lookup.interfaces import EmbeddingKernel
 
 __all__ = [
@@ -310,6 +310,7 @@ class _ShardedModule(nn.Module):
         self._input_dist = InputDist(layout, comm, id_order=self._ID_ORDER)
         self._anchor_leaf = torch.zeros(0, device=device, requires_grad=True)
         self._queue: collections.deque[DistributedFeatures] = collections.deque()
+        self._output_dist_overlap: Callable[[], None] | None = None
         self.register_state_dict_post_hook(_state_dict_post_hook)  # type: ignore[no-untyped-call]  # untyped in torch
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)  # type: ignore[no-untyped-call]  # untyped in torch
         self._init_output_dist()
@@ -381,6 +382,23 @@ class _ShardedModule(nn.Module):
                 f"`dist_features` must come from `wait_input_dist`, got {type(dist_features).__name__}"
             )
         self._queue.append(dist_features)
+
+    def set_output_dist_overlap(self, callback: Callable[[], None] | None) -> None:
+        """Run ``callback()`` in every later forward while the host waits for the output dist's all-to-all.
+
+        It runs once the all-to-all is launched and before it is waited for, and only where that wait
+        blocks the host (gloo; NCCL's is stream-ordered) and an all-to-all is issued (not in a group of
+        one): a pipeline prepares its next batch there (pipeline_stages' ``OutputDistOverlap``). The
+        all-to-all is waited for before an error of ``callback`` propagates out of the forward, and a
+        training forward that raises it owes its backward collectives as any dropped output does.
+        ``None`` removes it.
+
+        Raises:
+            ConfigurationError: ``callback`` is neither callable nor None.
+        """
+        if callback is not None and not callable(callback):
+            raise ConfigurationError(f"`callback` must be callable or None, got {callback!r}")
+        self._output_dist_overlap = callback
 
     def prefetch(
         self, dist_features: DistributedFeatures, forward_stream: torch.cuda.Stream | None = None
@@ -673,7 +691,7 @@ class ShardedEmbeddingBags(_ShardedModule):
             values = self._output_dist.from_batch_major(block, dist_features, anchor)
         else:
             out = self._lookup(dist_features.features, anchor)
-            values = self._output_dist(out, dist_features, anchor)
+            values = self._output_dist(out, dist_features, anchor, self._output_dist_overlap)
         if self._pooled_layout is None:  # the keys and dims of every output, built once
             self._pooled_layout = PooledEmbeddings(
                 self.layout.features, self._output_dist.feature_dims, values.new_empty(0)
@@ -709,7 +727,7 @@ class ShardedSequenceEmbeddings(_ShardedModule):
         dist_features = self._next_input(features)
         anchor = self._anchor()
         out = self._lookup(self._kernel_features(dist_features), anchor)
-        embeddings = self._output_dist(out, dist_features, anchor)
+        embeddings = self._output_dist(out, dist_features, anchor, self._output_dist_overlap)
         src = dist_features.source
         batch = src.batch_size
         lengths = src.lengths.view(len(src.keys), batch)
