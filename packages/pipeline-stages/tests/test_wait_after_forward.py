@@ -422,11 +422,15 @@ def test_an_error_of_the_overlapped_prefetch_surfaces_after_the_collective(call:
     pipeline = StagedTrainPipeline(stages(sdd))
     it = iter(make_batches(6))
     errors = []
-    while (batch := pipeline.progress(it)) is not None:
+
+    def step(batch: Batch) -> None:
         try:
             forward(model, batch, call)
         except ConnectionError as caught:
             errors.append((batch.index, caught, list(log)))
+
+    while (batch := pipeline.progress(it)) is not None:
+        step(batch)
     [(index, error, log_then)] = errors
     assert index == 1
     assert log_then[-1] == ("waited", 2)  # the collective of batch 1 (token 2) completed first
@@ -443,14 +447,18 @@ def test_the_callback_is_registered_only_with_wait_after_forward_and_removed_by_
     model = Tiny([], overlapping=True)
     table = model.table
     assert isinstance(table, OverlappingBag)
-    SparseDataDistUtil(model, wait_after_forward=False)
-    assert table.overlap is None
+
+    def registered() -> bool:
+        return table.overlap is not None
+
+    SparseDataDistUtil(model, wait_after_forward=False).detach()
+    assert not registered()
     sdd = SparseDataDistUtil(model)
-    assert table.overlap is not None
+    assert registered()
     sdd.detach()
-    assert table.overlap is None
+    assert not registered()
     sdd.attach()
-    assert table.overlap is not None
+    assert registered()
     with torch.no_grad():
         model(make_batches(1)[0])
     assert sdd.num_in_flight == 0
