@@ -81,11 +81,6 @@ class Communicator:
         self._alone = self.world_size == 1  # a group of one: no collective is ever issued
 
     @property
-    def host_blocking(self) -> bool:
-        """Whether waiting for a collective blocks the host (gloo; NCCL's waits are stream-ordered)."""
-        return self._host_timeout
-
-    @property
     def alone(self) -> bool:
         """A group of one rank: no collective is issued (its callers may skip the exchange's bookkeeping)."""
         return self._alone
@@ -132,8 +127,8 @@ class Communicator:
         """Blocking ``all_to_all_single`` (no autograd): rank ``r`` gets ``in_splits[r]`` rows of ``x``.
 
         ``while_in_flight`` runs once the collective is launched and before it is waited for, when that
-        wait would block the host (:attr:`host_blocking`) and a collective is issued at all (not in a group
-        of one): host work that would otherwise wait idle. The collective is waited for even when it
+        wait would block the host (not NCCL, whose waits are stream-ordered) and a collective is issued at
+        all (not in a group of one): host work that would otherwise wait idle. The collective is waited for even when it
         raises (its error then propagates), so every rank's collectives stay in step.
         """
         out, work = self.start_all_to_all(x, out_splits, in_splits)
