@@ -411,7 +411,6 @@ def test_the_next_batch_is_prepared_while_the_output_collective_is_in_flight(cal
         assert torch.equal(state[key], plain_state[key]), key
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python >= 3.11")
 @pytest.mark.parametrize("call", CALLS, ids=CALLS)
 def test_an_error_of_the_overlapped_prefetch_surfaces_after_the_collective(call: str) -> None:
     """The callback never raises into the module's collective: the prefetch error comes out of the forward
@@ -434,7 +433,8 @@ def test_an_error_of_the_overlapped_prefetch_surfaces_after_the_collective(call:
     [(index, error, log_then)] = errors
     assert index == 1
     assert log_then[-1] == ("waited", 2)  # the collective of batch 1 (token 2) completed first
-    assert any("wait/prefetch of batch 2" in note for note in getattr(error, "__notes__", []))
+    if sys.version_info >= (3, 11):  # exception notes (the rest holds on 3.10 too)
+        assert any("wait/prefetch of batch 2" in note for note in getattr(error, "__notes__", []))
     assert [t for kind, t in log if kind == "forward"] == [1, 2, 3, 4, 5, 6]
     assert log.count(("prefetch", 3)) == 1
     assert log.index(("prefetch", 3)) < log.index(("forward", 3))

@@ -126,20 +126,38 @@ class Communicator:
     ) -> Tensor:
         """Blocking ``all_to_all_single`` (no autograd): rank ``r`` gets ``in_splits[r]`` rows of ``x``.
 
-        ``while_in_flight`` runs once the collective is launched and before it is waited for, when that
-        wait would block the host (not NCCL, whose waits are stream-ordered) and a collective is issued at
-        all (not in a group of one): host work that would otherwise wait idle. The collective is waited for even when it
-        raises (its error then propagates), so every rank's collectives stay in step.
+        ``while_in_flight``: see :meth:`_exchange`; its error propagates once the collective completed.
+        """
+        out, raised = self._exchange(x, out_splits, in_splits, what, while_in_flight)
+        if raised:
+            _raise_dropping_references(raised)
+        return out
+
+    def _exchange(
+        self,
+        x: Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        what: str,
+        while_in_flight: Callable[[], None] | None,
+    ) -> tuple[Tensor, list[BaseException]]:
+        """Launch the all-to-all, run ``while_in_flight``, wait; returns the output and the callback's error
+        (in a list the caller empties: see :func:`_raise_dropping_references`).
+
+        ``while_in_flight`` runs once the collective is launched and before it is waited for, and only
+        where that wait blocks the host (not NCCL, whose waits are stream-ordered) and a collective is
+        issued at all (not in a group of one): host work that would otherwise wait idle. The collective
+        is waited for whatever the callback does, so every rank's collectives stay in step.
         """
         out, work = self.start_all_to_all(x, out_splits, in_splits)
+        raised: list[BaseException] = []
         if while_in_flight is not None and self._host_timeout and not self._alone:
             try:
                 while_in_flight()
-            except BaseException:
-                self.wait(work, what)
-                raise
+            except BaseException as error:  # re-raised by the caller once the collective completed
+                raised.append(error)
         self.wait(work, what)
-        return out
+        return out, raised
 
     def all_to_all_autograd(
         self,
@@ -154,7 +172,7 @@ class Communicator:
 
         ``anchor`` (a 0-element leaf that requires grad) makes the output require grad on every rank even
         when ``x`` does not (a rank that holds no tables), so that all ranks run the backward collective
-        together; pass it whenever grad mode is on. ``while_in_flight``: see :meth:`all_to_all` (forward
+        together; pass it whenever grad mode is on. ``while_in_flight``: see :meth:`_exchange` (forward
         only).
         """
         if self._alone:  # its own block is everything; the gradient flows back to it unchanged
@@ -241,6 +259,17 @@ class _Done:
 _DONE = _Done()
 
 
+def _raise_dropping_references(raised: list[BaseException]) -> None:
+    """Raise the one error in ``raised`` with no frame keeping it: its traceback reaches the frames it passed
+    (and their callers'), so a local holding it would make a cycle that keeps those frames' locals (an
+    autograd ``ctx``, whose death records an owed backward) alive until a GC pass."""
+    error = raised.pop()
+    try:
+        raise error
+    finally:
+        del error
+
+
 def _decode_message(data: bytes) -> str:
     """A gathered message: the UTF-8 text before the first NUL (the padding)."""
     return data.split(b"\0", 1)[0].decode("utf-8", errors="replace")
@@ -263,30 +292,13 @@ class _AllToAll(torch.autograd.Function):
         ctx.comm = comm
         ctx.what = what
         ctx.splits = (out_splits, in_splits)
-        raised: list[BaseException] = []
-
-        def guarded() -> None:
-            assert while_in_flight is not None
-            try:
-                while_in_flight()
-            except Exception as error:  # raised once this call owes its backward (below)
-                raised.append(error)
-
-        out = comm.all_to_all(
-            x.detach(), out_splits, in_splits, what, guarded if while_in_flight is not None else None
-        )
+        out, raised = comm._exchange(x.detach(), out_splits, in_splits, what, while_in_flight)
         record = _BackwardCollective(
             next(comm._order), f"backward of {what}", tuple(out.shape), out.dtype, out_splits, in_splits
         )
         comm._track(ctx, record)
-        if raised:
-            # The graph dies with this error: the finalizer records the backward owed to the peers. No
-            # frame of this call keeps the error (a cycle through its traceback would keep `ctx` alive).
-            error = raised.pop()
-            try:
-                raise error
-            finally:
-                del error
+        if raised:  # the graph dies with it: the finalizer records the backward owed to the peers
+            _raise_dropping_references(raised)
         # A view: the process group's work may hold `out` a while after the wait; the graph (and the
         # skipped-backward finalizer) must live exactly as long as the user's tensor.
         return out.view_as(out)

@@ -22,12 +22,12 @@ from vbe_lookup._dist_input import DistributedFeatures, SourceContext
 from vbe_lookup._sharding_plan import ShardingLayout
 from vbe_lookup.errors import BatchLayoutError
 
-__all__ = ["PooledOutputDist", "SequenceOutputDist"]
+__all__ = ["OutputDistBase", "PooledOutputDist", "SequenceOutputDist"]
 
 _MAX_CACHE = 64
 
 
-class _OutputDistBase:
+class OutputDistBase:
     def __init__(self, layout: ShardingLayout, comm: Communicator) -> None:
         self.layout = layout
         self.comm = comm
@@ -37,6 +37,9 @@ class _OutputDistBase:
         self.feature_dims = [layout.tables[t].embedding_dim for t in layout.feature_table]
         self.feature_index = {f: i for i, f in enumerate(layout.features)}
         self._inverse_key_cache: dict[tuple[str, ...], Tensor] = {}
+        # Run while the host waits for the exchange (``Communicator.all_to_all``); set by the sharded module's
+        # ``set_output_dist_overlap``.
+        self.while_in_flight: Callable[[], None] | None = None
 
     def inverse_keys(self, src: SourceContext) -> Tensor:
         """``[F_global]`` position in the source's input keys of every module feature (cached per key order)."""
@@ -59,7 +62,6 @@ class _OutputDistBase:
         in_splits: list[int],
         anchor: Tensor | None,
         what: str,
-        while_in_flight: Callable[[], None] | None,
     ) -> Tensor:
         if lookup_out.numel() != sum(in_splits):
             raise BatchLayoutError(
@@ -67,10 +69,10 @@ class _OutputDistBase:
                 f"batch needs {sum(in_splits)} ({in_splits} per source rank)"
             )
         flat = lookup_out if lookup_out.dim() == 1 else lookup_out.reshape(-1)  # no view node when 1-D
-        return self.comm.all_to_all_autograd(flat, out_splits, in_splits, what, anchor, while_in_flight)
+        return self.comm.all_to_all_autograd(flat, out_splits, in_splits, what, anchor, self.while_in_flight)
 
 
-class PooledOutputDist(_OutputDistBase):
+class PooledOutputDist(OutputDistBase):
     """Pooled output dist: owners' ``[source, slot, sample, dim]`` blocks → ``[B, sum(dims)]`` per source."""
 
     def __init__(self, layout: ShardingLayout, comm: Communicator) -> None:
@@ -116,23 +118,12 @@ class PooledOutputDist(_OutputDistBase):
                     inverse[c] = j
                 self._alone_columns = torch.tensor(inverse, dtype=torch.int64).to(comm.device)
 
-    def __call__(
-        self,
-        lookup_out: Tensor,
-        dist: DistributedFeatures,
-        anchor: Tensor | None,
-        while_in_flight: Callable[[], None] | None = None,
-    ) -> Tensor:
-        """Return ``[B, sum(dims)]`` pooled embeddings of the local batch, keys in global feature order.
-
-        ``while_in_flight`` runs while the host would wait for the exchange (``Communicator.all_to_all``).
-        """
+    def __call__(self, lookup_out: Tensor, dist: DistributedFeatures, anchor: Tensor | None) -> Tensor:
+        """Return ``[B, sum(dims)]`` pooled embeddings of the local batch, keys in global feature order."""
         batch = dist.source.batch_size
         in_splits = [b * self.dim_per_rank[self.rank] for b in dist.batch_size_per_rank]
         out_splits = [batch * self.dim_per_rank[d] for d in range(self.world)]
-        recv = self._exchange(
-            lookup_out, out_splits, in_splits, anchor, "pooled output dist", while_in_flight
-        )
+        recv = self._exchange(lookup_out, out_splits, in_splits, anchor, "pooled output dist")
         out: Tensor
         if self._permutation:
             target, inverse = self._target(batch), self._inverse(batch)
@@ -222,7 +213,7 @@ class _Permute(torch.autograd.Function):
         return grad.index_select(0, target), None, None
 
 
-class SequenceOutputDist(_OutputDistBase):
+class SequenceOutputDist(OutputDistBase):
     """Sequence output dist: one embedding per id, returned to the id's original position."""
 
     def __init__(self, layout: ShardingLayout, comm: Communicator) -> None:
@@ -233,17 +224,8 @@ class SequenceOutputDist(_OutputDistBase):
                 seg_dim[d * self.s_max + j] = dim
         self._seg_dim = torch.tensor(seg_dim, dtype=torch.int64).to(comm.device)
 
-    def __call__(
-        self,
-        lookup_out: Tensor,
-        dist: DistributedFeatures,
-        anchor: Tensor | None,
-        while_in_flight: Callable[[], None] | None = None,
-    ) -> list[Tensor]:
-        """Return, per global feature, ``[ids of the feature in the local batch, dim]`` in input order.
-
-        ``while_in_flight``: as in :meth:`PooledOutputDist.__call__`.
-        """
+    def __call__(self, lookup_out: Tensor, dist: DistributedFeatures, anchor: Tensor | None) -> list[Tensor]:
+        """Return, per global feature, ``[ids of the feature in the local batch, dim]`` in input order."""
         src = dist.source
         my_dims = self.layout.ranks[self.rank].slot_dims
         counts = dist.ids_per_slot_per_rank  # [S][W]
@@ -252,9 +234,7 @@ class SequenceOutputDist(_OutputDistBase):
             sum(n * dim for n, dim in zip(src.sent[d], self.layout.ranks[d].slot_dims, strict=True))
             for d in range(self.world)
         ]
-        recv = self._exchange(
-            lookup_out, out_splits, in_splits, anchor, "sequence output dist", while_in_flight
-        )
+        recv = self._exchange(lookup_out, out_splits, in_splits, anchor, "sequence output dist")
 
         # Per padded segment (rank * S_max + slot): where it starts in the send order and in the received
         # buffer, from the device-side counts sent (no host lists, no host-to-device copy).

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from vbe_lookup import _fbgemm, _sharded_state
 from vbe_lookup._dist_comm import Communicator
 from vbe_lookup._dist_input import DistributedFeatures, InputDist, InputDistHandle
-from vbe_lookup._dist_output import PooledOutputDist, SequenceOutputDist
+from vbe_lookup._dist_output import OutputDistBase, PooledOutputDist, SequenceOutputDist
 from vbe_lookup._features import VBEFeatures, complete_cumsum
 from vbe_lookup._grouped import GroupedVBELookup, KernelGroup
 from vbe_lookup._sharding_errors import (
@@ -225,6 +225,7 @@ class _ShardedModule(nn.Module):
 
     # Whether the output dist reads each id's place in the input dist's send order (sequence outputs do).
     _ID_ORDER: ClassVar[bool] = True
+    _output_dist: OutputDistBase  # built by the concrete module's _init_output_dist
 
     def __init__(
         self,
@@ -310,7 +311,6 @@ class _ShardedModule(nn.Module):
         self._input_dist = InputDist(layout, comm, id_order=self._ID_ORDER)
         self._anchor_leaf = torch.zeros(0, device=device, requires_grad=True)
         self._queue: collections.deque[DistributedFeatures] = collections.deque()
-        self._output_dist_overlap: Callable[[], None] | None = None
         self.register_state_dict_post_hook(_state_dict_post_hook)  # type: ignore[no-untyped-call]  # untyped in torch
         self.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)  # type: ignore[no-untyped-call]  # untyped in torch
         self._init_output_dist()
@@ -398,7 +398,7 @@ class _ShardedModule(nn.Module):
         """
         if callback is not None and not callable(callback):
             raise ConfigurationError(f"`callback` must be callable or None, got {callback!r}")
-        self._output_dist_overlap = callback
+        self._output_dist.while_in_flight = callback
 
     def prefetch(
         self, dist_features: DistributedFeatures, forward_stream: torch.cuda.Stream | None = None
@@ -662,6 +662,7 @@ class ShardedEmbeddingBags(_ShardedModule):
     """
 
     _ID_ORDER = False  # pooled blocks are placed per (feature, sample): no per-id order
+    _output_dist: PooledOutputDist
 
     def _init_output_dist(self) -> None:
         self._output_dist = PooledOutputDist(self.layout, self._comm)
@@ -691,7 +692,7 @@ class ShardedEmbeddingBags(_ShardedModule):
             values = self._output_dist.from_batch_major(block, dist_features, anchor)
         else:
             out = self._lookup(dist_features.features, anchor)
-            values = self._output_dist(out, dist_features, anchor, self._output_dist_overlap)
+            values = self._output_dist(out, dist_features, anchor)
         if self._pooled_layout is None:  # the keys and dims of every output, built once
             self._pooled_layout = PooledEmbeddings(
                 self.layout.features, self._output_dist.feature_dims, values.new_empty(0)
@@ -705,6 +706,8 @@ class ShardedSequenceEmbeddings(_ShardedModule):
     Same arguments, plans and input dist as :class:`ShardedEmbeddingBags`; the kernels see every id as a
     bag of one, so any ``EmbeddingKernel`` serves sequence lookups. Per-id weights are ignored.
     """
+
+    _output_dist: SequenceOutputDist
 
     def _init_output_dist(self) -> None:
         self._output_dist = SequenceOutputDist(self.layout, self._comm)
@@ -727,7 +730,7 @@ class ShardedSequenceEmbeddings(_ShardedModule):
         dist_features = self._next_input(features)
         anchor = self._anchor()
         out = self._lookup(self._kernel_features(dist_features), anchor)
-        embeddings = self._output_dist(out, dist_features, anchor, self._output_dist_overlap)
+        embeddings = self._output_dist(out, dist_features, anchor)
         src = dist_features.source
         batch = src.batch_size
         lengths = src.lengths.view(len(src.keys), batch)
