@@ -79,11 +79,15 @@ class PaddedBatch:
         rows: real samples.
         kv_inputs: per key-value kernel, the ``(ids, offsets)`` :meth:`StepGraphs.prefetch` handed it (the
             replay hands the same tensors to ``replaying``); empty before the prefetch.
+        bag_offsets: the bags' offsets of each run of features :class:`StepPadding` was given (``bag_offsets``),
+            one after the other (each ``[features * Bp + 1]``, from 0), worked out with the padding on the host,
+            so the step launches nothing for them; ``None`` without such runs.
     """
 
     batch: DLRMBatch
     weight: torch.Tensor
     rows: int
+    bag_offsets: torch.Tensor | None = None
     # Per key-value kernel: the ids and offsets its prefetch saw (StepGraphs.prefetch), on the device.
     kv_inputs: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
@@ -103,6 +107,9 @@ class PaddedBatch:
             batch=self.batch.to(device, non_blocking=non_blocking),
             weight=self.weight.to(device, non_blocking=non_blocking),
             rows=self.rows,
+            bag_offsets=None
+            if self.bag_offsets is None
+            else self.bag_offsets.to(device, non_blocking=non_blocking),
         )
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
@@ -110,13 +117,20 @@ class PaddedBatch:
         self.batch.record_stream(stream)
         if self.weight.is_cuda:
             self.weight.record_stream(stream)
+        if self.bag_offsets is not None and self.bag_offsets.is_cuda:
+            self.bag_offsets.record_stream(stream)
         for ids, offsets in self.kv_inputs:
             ids.record_stream(stream)
             offsets.record_stream(stream)
 
     def pin_memory(self) -> PaddedBatch:
         """This batch in pinned host memory."""
-        return PaddedBatch(batch=self.batch.pin_memory(), weight=self.weight.pin_memory(), rows=self.rows)
+        return PaddedBatch(
+            batch=self.batch.pin_memory(),
+            weight=self.weight.pin_memory(),
+            rows=self.rows,
+            bag_offsets=None if self.bag_offsets is None else self.bag_offsets.pin_memory(),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,15 +145,24 @@ class StepPadding:
         per_feature: pad every feature to the same id count ``C`` (a multiple of ``Bp / 16``), so that the
             ids of each kernel lie at fixed places (``Cp = F * C``) and a lookup over several kernels splits
             them without reading counts; otherwise only the total is padded.
+        bag_offsets: runs of features ``(first, count)`` (positions in the padded order) whose bags' offsets
+            the padded batch carries (:attr:`PaddedBatch.bag_offsets`): the key-value kernels' features, whose
+            prefetch needs its offsets (worked out here, off the step, instead of by device ops in it).
     """
 
     buckets: tuple[int, ...]
     keys: tuple[str, ...] | None = None
     per_feature: bool = False
+    bag_offsets: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
             raise ValueError(f"`buckets` is {self.buckets}, expected ascending distinct sizes >= 1")
+        for first, count in self.bag_offsets:
+            if first < 0 or count < 1:
+                raise ValueError(
+                    f"`bag_offsets` holds ({first}, {count}), expected (first >= 0, count >= 1) runs of features"
+                )
 
     def __call__(self, batch: DLRMBatch) -> PaddedBatch:
         """``batch`` (on the host) padded: see the module docstring.
@@ -195,7 +218,22 @@ class StepPadding:
             ),
             weight=weight,
             rows=rows,
+            bag_offsets=self._bag_offsets(new_lengths),
         )
+
+    def _bag_offsets(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """Each run's bags' offsets (from 0) of the padded ``[F, Bp]`` lengths, one run after the other."""
+        if not self.bag_offsets:
+            return None
+        if max(first + count for first, count in self.bag_offsets) > lengths.shape[0]:
+            raise ValueError(
+                f"`bag_offsets` {self.bag_offsets} reach past the batch's {lengths.shape[0]} features"
+            )
+        zero = torch.zeros(1, dtype=torch.int64)
+        runs = [
+            lengths[first : first + count].reshape(-1).to(torch.int64) for first, count in self.bag_offsets
+        ]
+        return torch.cat([torch.cat([zero, torch.cumsum(run, 0)]) for run in runs])
 
     def _in_order(self, batch: DLRMBatch) -> tuple[list[str], torch.Tensor, torch.Tensor]:
         """The batch's keys, ids and ``[F, B]`` lengths, its features put in ``keys`` order."""
@@ -327,8 +365,14 @@ class StepGraphs:
         self._stream = torch.cuda.Stream() if capture else None  # type: ignore[no-untyped-call]  # untyped in torch
 
     def padding(self, buckets: Sequence[int]) -> StepPadding:
-        """The padding of the batches this step takes (feature order, per-feature id counts)."""
-        return StepPadding(tuple(buckets), keys=self.feature_order, per_feature=self.per_feature)
+        """The padding of the batches this step takes (feature order, per-feature id counts, the key-value
+        kernels' bags' offsets)."""
+        return StepPadding(
+            tuple(buckets),
+            keys=self.feature_order,
+            per_feature=self.per_feature,
+            bag_offsets=tuple((first, features) for _, first, features in self._kv),
+        )
 
     @property
     def prefetches(self) -> bool:
@@ -377,10 +421,15 @@ class StepGraphs:
         padded = batch.batch.batch_size
         per_feature = values.numel() // len(self.feature_order)
         out = []
+        at = 0  # where the next run's offsets start in batch.bag_offsets
         for _, first, features in self._kv:
             ids = values[first * per_feature : (first + features) * per_feature]
-            bag_lengths = lengths[first * padded : (first + features) * padded]
-            offsets = torch.nn.functional.pad(torch.cumsum(bag_lengths, 0), (1, 0))
+            if batch.bag_offsets is not None:  # worked out with the padding (this step's padding())
+                offsets = batch.bag_offsets[at : at + features * padded + 1]
+                at += features * padded + 1
+            else:
+                bag_lengths = lengths[first * padded : (first + features) * padded]
+                offsets = torch.nn.functional.pad(torch.cumsum(bag_lengths, 0), (1, 0))
             out.append((ids, offsets))
         return tuple(out)
 

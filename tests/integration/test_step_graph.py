@@ -136,6 +136,35 @@ def test_per_feature_padding_reorders_and_gives_every_feature_one_id_count(multi
         StepPadding((16, 32, 48), keys=keys[1:])(_batches(config, 1)[0])
 
 
+@pytest.mark.parametrize("multi_hot", [1, 3], ids=["one-hot", "multi-hot"])
+def test_padding_carries_the_bag_offsets_of_the_runs_it_was_given(multi_hot: int) -> None:
+    """``bag_offsets`` runs: the padded batch carries each run's bags' offsets (from 0) one after the other,
+    equal to the cumulative sum of the run's padded lengths; without runs it carries none; runs past the
+    features or empty are rejected."""
+    config = _config(Path("unused"))
+    f = len(SPARSE_FEATURES)
+    runs = ((2, 3), (0, 1), (f - 4, 4))
+    padding = StepPadding((16, 32, 48), per_feature=True, bag_offsets=runs)
+    for batch in _batches(config, 4, multi_hot):
+        padded = padding(batch)
+        bp = padded.batch.batch_size
+        lengths = padded.batch.sparse_features.lengths().view(f, bp)
+        assert padded.bag_offsets is not None
+        expected = [
+            torch.nn.functional.pad(torch.cumsum(lengths[first : first + count].reshape(-1), 0), (1, 0))
+            for first, count in runs
+        ]
+        torch.testing.assert_close(padded.bag_offsets, torch.cat(expected).to(torch.int64))
+        pinned = padded.pin_memory() if torch.cuda.is_available() else padded
+        assert pinned.bag_offsets is not None
+        torch.testing.assert_close(pinned.bag_offsets, padded.bag_offsets)
+    assert StepPadding((16, 32, 48))(_batches(config, 1)[0]).bag_offsets is None
+    with pytest.raises(ValueError, match="reach past the batch's"):
+        StepPadding((16, 32, 48), bag_offsets=((f - 1, 2),))(_batches(config, 1)[0])
+    with pytest.raises(ValueError, match="`bag_offsets` holds"):
+        StepPadding((16, 32, 48), bag_offsets=((0, 0),))
+
+
 def test_padding_rejects_a_batch_without_a_larger_bucket() -> None:
     """A batch as large as the largest bucket has no padding sample: an error naming the sizes."""
     batch = _batches(_config(Path("unused"), batch_size=16, min_batch_size=16), 1)[0]

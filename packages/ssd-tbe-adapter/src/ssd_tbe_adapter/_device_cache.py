@@ -65,6 +65,7 @@ __all__ = [
     "LookupSource",
     "StartedAssign",
     "lookup_bucket",
+    "packed_views",
 ]
 
 _MAX_TABLES = 1 << 15  # table numbers sort as int16 keys
@@ -80,8 +81,9 @@ class Assignment:
     order: torch.Tensor  # [P] int64: the lookups (padded to P >= N; entries >= N are padding) by unique slot
     pairs: torch.Tensor  # [P] int64: the unique slot (position in unique_slots) of each of those, ascending
     inserted: int  # rows moved in from the tier below for this batch
-    # [3N + 2P] int64, of which the fields above are views: the unique slots padded to N with the trash slot,
-    # slots, inverse, order, pairs (one copy stages them all for a replay)
+    # [5P] int64, of which the fields above are views, each field at k * P (see packed_views): the unique
+    # slots padded with the trash slot, slots, inverse (past N: the padding's), order, pairs (one copy stages
+    # them all for a replay)
     packed: torch.Tensor
     # The trash slot the padding holds (the pool may grow, and the trash slot move, before the batch is staged).
     trash: int
@@ -98,6 +100,9 @@ class HitSurvey:
     pairs: torch.Tensor  # the pair of each sorted lookup (ascending)
     slots: torch.Tensor  # each pair's slot here, -1 if not cached; positions past the pairs repeat the last
     touched: torch.Tensor  # each hit's slot, the trash slot elsewhere
+    # A hits-only survey's [5N] assignment fields (see Assignment.packed), its hits already stamped and
+    # counted when it found no miss (the graph's tensor: copied before its next replay); None for a full one.
+    packed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -147,8 +152,8 @@ class LookupSource:
     ``expand(scalars)`` (capturable: no sync, fixed shapes) returns ``(tables, ids, checks, extra)``: the
     tables and ids of the lookups padded to ``lookup_bucket(n)`` (the padding repeats the first lookup), the
     ``[checks]`` int64 checks read with the counts (see :meth:`DeviceCache.assign`), and a tensor the caller
-    gets back (its first ``n`` entries, copied). ``scalars``: ``[1, 2 + len(values)]`` int64 on the device:
-    protect, minus the padding's lookups, then ``values``. ``key``: the sizes of the buffers ``expand``
+    gets back (its first ``n`` entries, copied). ``scalars``: ``[1, 3 + len(values)]`` int64 on the device:
+    protect, minus the padding's lookups, then ``values``, then the batch's tick. ``key``: the sizes of the buffers ``expand``
     reads; the same key must mean the same buffers (their addresses are captured).
     """
 
@@ -169,6 +174,19 @@ _Issued = tuple[HitSurvey, torch.Tensor | None]  # a survey issued, with its Loo
 def lookup_bucket(n: int) -> int:
     """The padded size of ``n`` lookups in a survey (see :class:`LookupSource`)."""
     return _bucket(n)
+
+
+def packed_views(packed: torch.Tensor, n: int, unique: int) -> dict[str, torch.Tensor]:
+    """The assignment fields of ``n`` lookups with ``unique`` distinct rows in ``packed`` (``[5P]``, ``P =
+    lookup_bucket(n)``; see :attr:`Assignment.packed`), by :class:`Assignment`'s field names."""
+    p = packed.numel() // 5
+    return {
+        "unique_slots": packed[:unique],
+        "slots": packed[p : p + n],
+        "inverse": packed[2 * p : 2 * p + n],
+        "order": packed[3 * p : 4 * p],
+        "pairs": packed[4 * p :],
+    }
 
 
 def _bucket(n: int) -> int:
@@ -588,9 +606,9 @@ class DeviceCache:
         columns = 3 if dram is not None else 2
         host_missing = self._staging.get(f"missing{padded}", padded, columns, torch.int64)
         host_read = self._staging.get(f"read{padded}", 1, _COUNTS + checks, torch.int64)
-        scalars = self._staging.get(f"scalars{len(values)}", 1, 2 + len(values), torch.int64)
-        # The victim choice's bound, the padding's negative count, then the source's values.
-        scalars.numpy()[0] = (protect, n - padded, *values)
+        scalars = self._staging.get(f"scalars{len(values)}", 1, 3 + len(values), torch.int64)
+        # The victim choice's bound, the padding's negative count, the source's values, the batch's tick.
+        scalars.numpy()[0] = (protect, n - padded, *values, tick)
         key = (padded, columns, host_read.shape[1], self._generation, hits_only)
         moved = self._staging.copy_up(f"scalars{len(values)}", scalars, self.device)
         survey, extra = run(moved, key, (host_missing, host_read))
@@ -646,7 +664,7 @@ class DeviceCache:
             # host sync: the only one before the rows move
             torch.cuda.current_stream(self.device).synchronize()
         values = [int(c) for c in host_read[0].tolist()]
-        counts, inverse, slots, touched = survey.counts, survey.inverse[:n], survey.slots, survey.touched
+        counts, slots, touched = survey.counts, survey.slots, survey.touched
         u, m, overflow, free = values[:4]
         if verify is not None:
             verify(values[_COUNTS:])
@@ -661,6 +679,11 @@ class DeviceCache:
             self._index.rebuild_if_crowded(values[6], self.valid)
         if dram is not None:
             dram.rebuild_index_if_crowded(values[7])
+        if survey.packed is not None:  # a hits-only survey without a miss: its graph did the rest
+            self.metrics.lookups += u
+            self.metrics.hits += u
+            packed = survey.packed.clone()  # the graph's tensor: rewritten by its next replay
+            return Assignment(**packed_views(packed, n, u), inserted=0, packed=packed, trash=self.trash)
         # Hits: stamped and counted (unique slots: a plain copy, the trash slot takes the rest).
         self.stamp.index_fill_(0, touched, tick)
         self.uses.index_copy_(0, touched, self.uses.index_select(0, touched) + counts)
@@ -715,23 +738,14 @@ class DeviceCache:
         packed = torch.cat(
             [
                 slots[:u],
-                self._trash_slot().expand(n - u),
-                slots.index_select(0, inverse),
-                inverse,
+                self._trash_slot().expand(p - u),
+                slots.index_select(0, survey.inverse),
+                survey.inverse,
                 survey.order,
                 survey.pairs,
             ]
         )
-        return Assignment(
-            slots=packed[n : 2 * n],
-            unique_slots=packed[:u],
-            inverse=packed[2 * n : 3 * n],
-            order=packed[3 * n : 3 * n + p],
-            pairs=packed[3 * n + p :],
-            inserted=m,
-            packed=packed,
-            trash=self.trash,
-        )
+        return Assignment(**packed_views(packed, n, u), inserted=m, packed=packed, trash=self.trash)
 
     def _trash_slot(self) -> torch.Tensor:
         """``[1]`` int64 on the device: the trash slot (made again when the pool grew)."""
@@ -765,7 +779,8 @@ class DeviceCache:
         optional checks) copied into the host buffers that end ``rest``. Device work only, no sync, nothing
         changed here: capturable as a CUDA graph per ``N``.
 
-        ``scalars``: ``[1, 2]`` int64 on the device: ``protect`` and minus the padding's lookups.
+        ``scalars``: ``[1, 3 + K]`` int64 on the device: ``protect``, minus the padding's lookups, ``K`` values
+        of a :class:`LookupSource`, the batch's tick.
         """
         *checks, host_missing, host_read = rest
         n = ids.numel()
@@ -831,7 +846,12 @@ class DeviceCache:
         """:meth:`_survey` for a batch expected to hit everywhere (the last one did): each lookup's slot from the
         index, the batch's distinct slots by one int32 sort of them (so its pairs come in slot order), and the
         counts (the misses counted, nothing chosen for them; the missing keys' buffer left as it is).
-        Capturable, as :meth:`_survey`; its result serves an assignment only when it counted no miss."""
+        Capturable, as :meth:`_survey`; its result serves an assignment only when it counted no miss.
+
+        When it counts no miss it also does the assignment's device work here, in its graph: its rows are
+        stamped with the batch's tick (the last entry of ``scalars``) and their uses counted, and the
+        assignment's fields are packed (:attr:`HitSurvey.packed`); so the assignment's finish is a read and a
+        copy. With a miss nothing changes (the full survey does it all)."""
         *checks, _, host_read = rest
         n = ids.numel()
         found = self.lookup(tables, ids)
@@ -841,10 +861,23 @@ class DeviceCache:
         )
         counts.index_add_(0, inverse[:1], scalars[0, 1:2])  # the padding's repeats of the first lookup
         touched = torch.where(torch.arange(n, device=self.device) < unique, slots, self.trash)
+        misses = (found < 0).sum()
+        # No miss: the hits stamped and counted (unique slots: plain copies, the trash slot takes the rest).
+        hits_all = misses == 0
+        tick = scalars[0, -1]
+        self.stamp.index_copy_(0, touched, torch.where(hits_all, tick, self.stamp.index_select(0, touched)))
+        self.uses.index_copy_(0, touched, self.uses.index_select(0, touched) + counts * hits_all)
+        packed = torch.cat([touched, slots.index_select(0, inverse), inverse, order, pairs])
         zero = unique * 0
-        self._copy_counts([unique, (found < 0).sum(), zero, zero, zero, zero], checks, host_read)
+        self._copy_counts([unique, misses, zero, zero, zero, zero], checks, host_read)
         return HitSurvey(
-            counts=counts, inverse=inverse, order=order, pairs=pairs, slots=slots, touched=touched
+            counts=counts,
+            inverse=inverse,
+            order=order,
+            pairs=pairs,
+            slots=slots,
+            touched=touched,
+            packed=packed,
         )
 
     def _copy_counts(

@@ -38,7 +38,13 @@ from typing import Any, Literal, cast
 import torch
 import torch.nn.functional as F
 
-from ssd_tbe_adapter._device_cache import DeviceCache, LookupSource, StartedAssign, lookup_bucket
+from ssd_tbe_adapter._device_cache import (
+    DeviceCache,
+    LookupSource,
+    StartedAssign,
+    lookup_bucket,
+    packed_views,
+)
 from ssd_tbe_adapter._dram_tier import DramTier
 from ssd_tbe_adapter._host_tier import HostTier, RowTier, StoreTier
 from ssd_tbe_adapter._layout import (
@@ -73,7 +79,7 @@ class _Batch:
     order: torch.Tensor  # [P] int64: the lookups by unique slot (P >= N; entries >= N are padding)
     pairs: torch.Tensor  # [P] int64: the unique slot (position in unique_slots) of each of those, ascending
     bag_of_lookup: torch.Tensor  # [N] int64
-    # [3N + 2P] int64 whose views the four slot fields are (see Assignment.packed): one copy stages them
+    # [5P] int64 whose views the slot fields are (see Assignment.packed): one copy stages them
     packed: torch.Tensor
     trash: int  # the trash slot its padding holds
     tick: int
@@ -359,17 +365,15 @@ class DevicePath:
             # `empty`, not `zeros`: under a capture a fill would be recorded, and every replay would wipe the
             # slots staged for it. Staging writes them before any replay (or static-mode forward) reads them.
             # Only the slot tensors are buffers: the ids, offsets and bags are the captured forward's own.
-            n, p = lookups, lookup_bucket(lookups)
-            packed = torch.empty(3 * n + 2 * p, dtype=torch.int64, device=self._device)
+            packed = torch.empty(5 * lookup_bucket(lookups), dtype=torch.int64, device=self._device)
             unused = torch.empty(0, dtype=torch.int64, device=self._device)
+            # The unique slots padded to N with the trash slot (past the batch's rows the packed tensor
+            # staged holds it): the captured backward sums into N rows.
+            views = packed_views(packed, lookups, lookups)
             static = _Batch(
                 indices=unused,
                 offsets=unused,
-                slots=packed[n : 2 * n],
-                unique_slots=packed[:n],
-                inverse=packed[2 * n : 3 * n],
-                order=packed[3 * n : 3 * n + p],
-                pairs=packed[3 * n + p :],
+                **views,
                 bag_of_lookup=unused,
                 packed=packed,
                 trash=-1,
@@ -789,7 +793,7 @@ def _expand_lookups(
     """A prefetch's lookups from its buffers, inside the survey (no sync, fixed shapes): the table and id of each
     lookup padded to ``P`` (repeats of the first lookup), the checks of ``offsets`` (first, last, whether any
     decreases) and the bag of each lookup (as :func:`_bag_of_lookup`: clamped, in bounds whatever ``offsets``
-    holds). ``scalars``: ``[1, 4]`` int64, the survey's two, then the lookups ``n`` and the bags."""
+    holds). ``scalars``: ``[1, 5]`` int64, the survey's two, the lookups ``n`` and the bags, the tick."""
     n, bags = scalars[0, 2], scalars[0, 3]
     device = buffers.ids.device
     position = torch.arange(buffers.ids.numel(), device=device)
