@@ -66,6 +66,7 @@ __all__ = [
     "StartedAssign",
     "lookup_bucket",
     "packed_views",
+    "positions",
 ]
 
 _MAX_TABLES = 1 << 15  # table numbers sort as int16 keys
@@ -171,6 +172,23 @@ _COUNTS = 8
 _Issued = tuple[HitSurvey, torch.Tensor | None]  # a survey issued, with its LookupSource's extra output
 
 
+# positions(): aranges kept per (size, device), never freed (a captured graph reads them by address).
+_POSITIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
+_MAX_POSITIONS = 256  # sizes kept; past them each call makes its own (inside a capture: the graph's memory)
+
+
+def positions(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` int64 on ``device``, made once per size (read only: a survey replayed from a graph then
+    launches no kernel for it)."""
+    key = (n, device)
+    cached = _POSITIONS.get(key)
+    if cached is None:
+        cached = torch.arange(n, dtype=torch.int64, device=device)
+        if len(_POSITIONS) < _MAX_POSITIONS:
+            _POSITIONS[key] = cached
+    return cached
+
+
 def lookup_bucket(n: int) -> int:
     """The padded size of ``n`` lookups in a survey (see :class:`LookupSource`)."""
     return _bucket(n)
@@ -239,7 +257,7 @@ def _runs(
     # the dummy entry n + 1 (never read). No element assignment: `t[i] = x` on CUDA is a synchronous
     # host-to-device copy.
     starts = torch.full((n + 2,), n, dtype=torch.int64, device=order.device)
-    starts.index_copy_(0, torch.where(first, rank, n + 1), torch.arange(n, device=order.device))
+    starts.index_copy_(0, torch.where(first, rank, n + 1), positions(n, order.device))
     counts = starts[1 : n + 1] - starts[:n]
     return counts, inverse, rank[-1] + 1, rank, starts[:n].clamp(max=n - 1)
 
@@ -285,12 +303,12 @@ def _unique_slots(
         ``(slots, counts, inverse, unique, order, pairs)``: ``[N]`` distinct slots (positions ``>= unique``
         repeat the last), then as :func:`_runs`, with ``order`` the lookups sorted by slot.
     """
-    order = torch.argsort(slots.to(torch.int32), stable=True)
-    sorted_slots = slots.index_select(0, order)
+    # The sorted keys come with the order (no gather of the slots by it).
+    sorted_slots, order = torch.sort(slots.to(torch.int32), stable=True)
     first = torch.ones_like(sorted_slots, dtype=torch.bool)
-    first[1:] = sorted_slots[1:] != sorted_slots[:-1]
+    torch.ne(sorted_slots[1:], sorted_slots[:-1], out=first[1:])
     counts, inverse, unique, pairs, head = _runs(order, first)
-    return sorted_slots.index_select(0, head), counts, inverse, unique, order, pairs
+    return sorted_slots.index_select(0, head).to(torch.int64), counts, inverse, unique, order, pairs
 
 
 class DeviceCache:
@@ -788,7 +806,7 @@ class DeviceCache:
         u_tables, u_ids, counts, inverse, unique, order, pairs = _unique_pairs(tables, ids)
         counts.index_add_(0, inverse[:1], scalars[0, 1:2])  # the padding's repeats of the first lookup
         protect = scalars[0, 0]
-        real = torch.arange(n, device=device) < unique  # padding past the unique pairs
+        real = positions(n, device) < unique  # padding past the unique pairs
         slots = self.lookup(u_tables, u_ids)
         hit = slots >= 0
         miss = ~hit & real
@@ -806,7 +824,7 @@ class DeviceCache:
         # tiers below can be asked before anything waits for the forward/backward stream.
         rank = torch.cumsum(miss, 0) - 1
         at = torch.zeros(n + 1, dtype=torch.int64, device=device).index_copy_(
-            0, torch.where(miss, rank, n), torch.arange(n, device=device)
+            0, torch.where(miss, rank, n), positions(n, device)
         )
         columns = [u_tables, u_ids]
         counted = [unique, miss.sum(), overflowing.sum(), scratch_free]
@@ -845,7 +863,8 @@ class DeviceCache:
     ) -> HitSurvey:
         """:meth:`_survey` for a batch expected to hit everywhere (the last one did): each lookup's slot from the
         index, the batch's distinct slots by one int32 sort of them (so its pairs come in slot order), and the
-        counts (the misses counted, nothing chosen for them; the missing keys' buffer left as it is).
+        counts (whether anything missed, as its miss count, 0 or 1; nothing chosen for the misses; the missing
+        keys' buffer left as it is).
         Capturable, as :meth:`_survey`; its result serves an assignment only when it counted no miss.
 
         When it counts no miss it also does the assignment's device work here, in its graph: its rows are
@@ -860,8 +879,10 @@ class DeviceCache:
             torch.where(found >= 0, found, self.trash)
         )
         counts.index_add_(0, inverse[:1], scalars[0, 1:2])  # the padding's repeats of the first lookup
-        touched = torch.where(torch.arange(n, device=self.device) < unique, slots, self.trash)
-        misses = (found < 0).sum()
+        touched = torch.where(positions(n, self.device) < unique, slots, self.trash)
+        # Whether any lookup missed (1) or none (0): the trash slot, above every other, is then the last
+        # distinct slot (positions past the pairs repeat it). No count: a miss means a full survey anyway.
+        misses = (slots[-1:] == self.trash).to(torch.int64)[0]
         # No miss: the hits stamped and counted (unique slots: plain copies, the trash slot takes the rest).
         hits_all = misses == 0
         tick = scalars[0, -1]

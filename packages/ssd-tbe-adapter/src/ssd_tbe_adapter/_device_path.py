@@ -44,6 +44,7 @@ from ssd_tbe_adapter._device_cache import (
     StartedAssign,
     lookup_bucket,
     packed_views,
+    positions,
 )
 from ssd_tbe_adapter._dram_tier import DramTier
 from ssd_tbe_adapter._host_tier import HostTier, RowTier, StoreTier
@@ -796,9 +797,9 @@ def _expand_lookups(
     holds). ``scalars``: ``[1, 5]`` int64, the survey's two, the lookups ``n`` and the bags, the tick."""
     n, bags = scalars[0, 2], scalars[0, 3]
     device = buffers.ids.device
-    position = torch.arange(buffers.ids.numel(), device=device)
+    position = positions(buffers.ids.numel(), device)
     real = position < n
-    bag_positions = torch.arange(buffers.tables.numel(), device=device)
+    bag_positions = positions(buffers.tables.numel(), device)
     in_batch = bag_positions < bags
     ends = torch.where(in_batch, buffers.offsets[1:], _NO_END)
     bag = torch.minimum(torch.searchsorted(ends, position, right=True), (bags - 1).clamp(min=0))
