@@ -886,7 +886,8 @@ class DeviceCache:
         # No miss: the hits stamped and counted (unique slots: plain copies, the trash slot takes the rest).
         hits_all = misses == 0
         tick = scalars[0, -1]
-        self.stamp.index_copy_(0, touched, torch.where(hits_all, tick, self.stamp.index_select(0, touched)))
+        # (with a miss every stamp goes to the trash slot instead: no read of the stamps)
+        self.stamp.index_copy_(0, torch.where(hits_all, touched, self.trash), tick.expand(n))
         self.uses.index_copy_(0, touched, self.uses.index_select(0, touched) + counts * hits_all)
         packed = torch.cat([touched, slots.index_select(0, inverse), inverse, order, pairs])
         zero = unique * 0
