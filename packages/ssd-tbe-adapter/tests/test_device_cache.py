@@ -1803,6 +1803,44 @@ def test_cuda_fused_update_matches_the_torch_backward(optimizer: str, psw: bool,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("psw", [False, True], ids=["plain", "weighted"])
+def test_cuda_pooled_forward_kernel_matches_embedding_bag(psw: bool) -> None:
+    """The one-launch Triton pooling gives ``embedding_bag``'s sums: empty, one-lookup and long bags, repeated
+    and hot slots, an output narrower than the rows and with a row stride of its own (a view of a wider
+    buffer), per-sample weights; nothing outside the output view is written."""
+    from ssd_tbe_adapter._pool_kernel import pool_sum
+
+    for seed in range(6):
+        gen = torch.Generator().manual_seed(seed)
+        slots, dmax, width = 97, 8 + 4 * (seed % 3), 5 + seed
+        width = min(width, dmax)
+        bags = int(torch.randint(1, 400, (1,), generator=gen))
+        lengths = torch.randint(0, 7, (bags,), generator=gen) * (torch.rand(bags, generator=gen) < 0.8)
+        offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+        n = int(offsets[-1])
+        picked = torch.where(
+            torch.rand(n, generator=gen) < 0.3, 3, torch.randint(0, slots, (n,), generator=gen)
+        )
+        weights = torch.randn(slots, dmax, generator=gen)
+        per_sample = torch.rand(n, generator=gen) if psw else None
+        want = torch.nn.functional.embedding_bag(
+            picked, weights, offsets, mode="sum", per_sample_weights=per_sample, include_last_offset=True
+        )[:, :width]
+        wide = torch.full((bags, width + 3), 7.0, device="cuda")
+        out = wide[:, 1 : 1 + width]
+        pool_sum(
+            weights.cuda(),
+            picked.cuda(),
+            offsets.cuda(),
+            None if per_sample is None else per_sample.cuda(),
+            out,
+        )
+        torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
+        assert (wide[:, 0] == 7.0).all()
+        assert (wide[:, 1 + width :] == 7.0).all()
+
+
+@pytest.mark.gpu
 def test_cuda_row_moves_match_torch_on_pinned_rows() -> None:
     """The Triton kernels that move rows between the device and pinned host memory give torch's index ops:
     a gather into a strided view that skips ``-1`` rows, a scatter where several rows hit the trash row."""

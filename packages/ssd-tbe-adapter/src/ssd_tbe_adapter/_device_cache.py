@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ssd_tbe_adapter._dram_tier import DramTier
 from ssd_tbe_adapter._graphed import GraphedCalls
@@ -1237,8 +1238,34 @@ class DeviceCache:
 
     @property
     def fuses_updates(self) -> bool:
-        """Whether :meth:`update_from_bags` runs here (CUDA with Triton)."""
+        """Whether :meth:`update_from_bags` runs here (CUDA with Triton; :meth:`pool` then runs one launch)."""
         return self.device.type == "cuda" and moves_on_device(self.device)
+
+    def pool(
+        self,
+        slots: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        """Each bag's rows summed into ``out`` (``[bags, W]`` float32, ``W <= D_max``; any row stride): bags of
+        ``slots`` by ``offsets`` (``[bags + 1]`` int64), times ``per_sample_weights`` if given. On CUDA with
+        Triton one launch straight into ``out`` (:mod:`~ssd_tbe_adapter._pool_kernel`), elsewhere
+        ``embedding_bag`` and a copy. No sync."""
+        if self.fuses_updates and (per_sample_weights is None or per_sample_weights.dtype == torch.float32):
+            from ssd_tbe_adapter._pool_kernel import pool_sum
+
+            pool_sum(self.weights, slots, offsets, per_sample_weights, out)
+            return
+        pooled = F.embedding_bag(
+            slots,
+            self.weights,
+            offsets,
+            mode="sum",
+            per_sample_weights=per_sample_weights,
+            include_last_offset=True,
+        )
+        out.copy_(pooled[:, : out.shape[1]])
 
     def update_from_bags(
         self,

@@ -668,17 +668,20 @@ class DevicePath:
         weights = self.cache.weights
         offsets = batch.offsets.to(torch.int64)
         psw = None if per_sample_weights is None else per_sample_weights.detach()
-        pooled = F.embedding_bag(
-            batch.slots, weights, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
-        )
-        if pooling == "mean":
-            pooled = pooled / (offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)[:, None]
         output = allocate_output(plan, self._feature_dims, self._device, vbe_output)
         block = one_block_start(plan, self._feature_dims)
-        if block is not None:  # every feature's bags in one block: one copy
-            bags, dim = pooled.shape[0], self._feature_dims[0]
-            output[block : block + bags * dim].view(bags, dim).copy_(pooled[:, :dim])
+        if block is not None:  # every feature's bags in one block: pooled straight into it
+            bags, dim = offsets.numel() - 1, self._feature_dims[0]
+            pooled = output[block : block + bags * dim].view(bags, dim)
+            self.cache.pool(batch.slots, offsets, psw, pooled)
+            if pooling == "mean":
+                pooled.div_((offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)[:, None])
         else:
+            pooled = F.embedding_bag(
+                batch.slots, weights, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
+            )
+            if pooling == "mean":
+                pooled = pooled / (offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)[:, None]
             column = 0
             for feature, dim in enumerate(self._feature_dims):
                 start, bags = plan.bag_start[feature], plan.num_bags[feature]
