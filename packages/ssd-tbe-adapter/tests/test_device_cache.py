@@ -878,6 +878,15 @@ def _check_assignment(cache: DeviceCache, got: Any, tables: torch.Tensor, ids: t
     real = got.order < n
     assert torch.equal(got.pairs[real], got.inverse[got.order[real]])
     assert bool((got.pairs[1:] >= got.pairs[:-1]).all())
+    # The packed fields (one copy stages them for a replay): each at k * P, the unique slots padded with the
+    # trash slot (a captured backward sums into N rows).
+    p = got.packed.numel() // 5
+    assert got.packed.numel() == 5 * p
+    assert p >= n
+    u = got.unique_slots.numel()
+    assert bool((got.packed[u:p] == got.trash).all())
+    assert torch.equal(got.packed[p : p + n], got.slots)
+    assert torch.equal(got.packed[2 * p : 2 * p + n], got.inverse)
 
 
 def test_hits_only_survey_serves_a_cached_batch_and_surveys_again_on_a_miss() -> None:
