@@ -102,7 +102,7 @@ class HitSurvey:
     pairs: torch.Tensor  # the pair of each sorted lookup (ascending)
     slots: torch.Tensor  # each pair's slot here, -1 if not cached; positions past the pairs repeat the last
     touched: torch.Tensor  # each hit's slot, the trash slot elsewhere
-    # A hits-only survey's [5N] assignment fields (see Assignment.packed), its hits already stamped and
+    # A hits-only survey's [5N] (N padded lookups) assignment fields (see Assignment.packed), its hits already stamped and
     # counted when it found no miss (the graph's tensor: copied before its next replay); None for a full one.
     packed: torch.Tensor | None = None
 

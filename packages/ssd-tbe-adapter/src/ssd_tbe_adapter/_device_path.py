@@ -36,7 +36,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
 import torch
-import torch.nn.functional as F
 
 from ssd_tbe_adapter._device_cache import (
     DeviceCache,
@@ -670,23 +669,21 @@ class DevicePath:
         psw = None if per_sample_weights is None else per_sample_weights.detach()
         output = allocate_output(plan, self._feature_dims, self._device, vbe_output)
         block = one_block_start(plan, self._feature_dims)
+        bags = offsets.numel() - 1
         if block is not None:  # every feature's bags in one block: pooled straight into it
-            bags, dim = offsets.numel() - 1, self._feature_dims[0]
+            dim = self._feature_dims[0]
             pooled = output[block : block + bags * dim].view(bags, dim)
-            self.cache.pool(batch.slots, offsets, psw, pooled)
-            if pooling == "mean":
-                pooled.div_((offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)[:, None])
-        else:
-            pooled = F.embedding_bag(
-                batch.slots, weights, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
-            )
-            if pooling == "mean":
-                pooled = pooled / (offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)[:, None]
+        else:  # pooled at full width, then placed feature by feature
+            pooled = weights.new_empty(bags, self.cache.dmax)
+        self.cache.pool(batch.slots, offsets, psw, pooled)
+        if pooling == "mean":
+            pooled.div_((offsets[1:] - offsets[:-1]).clamp(min=1).to(torch.float32)[:, None])
+        if block is None:
             column = 0
             for feature, dim in enumerate(self._feature_dims):
-                start, bags = plan.bag_start[feature], plan.num_bags[feature]
-                if bags:
-                    place_pooled(plan, output, feature, column, pooled[start : start + bags, :dim])
+                start, count = plan.bag_start[feature], plan.num_bags[feature]
+                if count:
+                    place_pooled(plan, output, feature, column, pooled[start : start + count, :dim])
                 column += dim
         rows = weights.index_select(0, batch.slots) if keep_rows else None
         return output, rows
