@@ -26,7 +26,7 @@ from ssd_tbe_adapter import (
     StoreIOError,
     TableSpec,
 )
-from ssd_tbe_adapter._device_cache import DeviceCache, _unique_pairs
+from ssd_tbe_adapter._device_cache import DeviceCache, _unique_pairs, _unique_slots
 from ssd_tbe_adapter._host_tier import HostTier, TierRows, rows_into
 from ssd_tbe_adapter._init import init_rows, table_salt
 from ssd_tbe_adapter._optimizer import RowOptimizer
@@ -1847,6 +1847,104 @@ def test_cuda_pooled_forward_kernel_matches_embedding_bag(psw: bool) -> None:
         torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
         assert (wide[:, 0] == 7.0).all()
         assert (wide[:, 1 + width :] == 7.0).all()
+
+
+def hit_runs_case(device: str, seed: int) -> None:
+    """:func:`hit_runs` against the torch survey's ``_unique_slots`` on ``device``: every packed field, the
+    counts (the padding's repeats taken off), the runs, the miss flag, and the stamps and uses (changed only
+    when nothing missed, and then only at the batch's slots)."""
+    from ssd_tbe_adapter._survey_kernel import hit_runs
+
+    gen = torch.Generator().manual_seed(seed)
+    trash = 50 + 37 * seed
+    n = int(torch.randint(1, 3000, (1,), generator=gen))
+    hot = torch.randint(0, trash, (n,), generator=gen) % 7  # hot slots: long runs
+    found = torch.where(torch.rand(n, generator=gen) < 0.5, hot, torch.randint(0, trash, (n,), generator=gen))
+    if seed % 2:
+        found[torch.rand(n, generator=gen) < 0.05] = -1  # misses: the trash slot
+    padding = int(torch.randint(0, n, (1,), generator=gen))
+    found[n - padding :] = found[0]  # the padding repeats the first lookup
+    tick = 1000 + seed
+    scalars = torch.tensor([5, -padding, 3, 9, tick])
+    stamp = torch.randint(0, 999, (trash + 1,), generator=gen)
+    uses = torch.randint(0, 50, (trash + 1,), generator=gen)
+
+    slots, counts, inverse, unique, order, pairs = _unique_slots(torch.where(found >= 0, found, trash))
+    counts.index_add_(0, inverse[:1], scalars[1:2])
+    touched = torch.where(torch.arange(n) < unique, slots, trash)
+    missed = bool(slots[-1] == trash)
+    want_stamp, want_uses = stamp.clone(), uses.clone()
+    if not missed:
+        u = int(unique)
+        want_stamp[touched[:u]] = tick
+        want_uses[touched[:u]] += counts[:u]
+    want_packed = torch.cat([touched, slots.index_select(0, inverse), inverse, order, pairs])
+
+    stamp_here, uses_here = stamp.to(device), uses.to(device)
+    runs = hit_runs(found.to(device), trash, scalars.to(device), 1, 4, stamp_here, uses_here)
+    assert torch.equal(runs.packed.cpu(), want_packed)
+    assert torch.equal(runs.counts.cpu(), counts)
+    assert torch.equal(runs.unique_slots.cpu(), slots)
+    assert torch.equal(runs.touched.cpu(), touched)
+    assert int(runs.unique) == int(unique)
+    assert int(runs.misses) == int(missed)
+    assert torch.equal(stamp_here.cpu(), want_stamp)
+    assert torch.equal(uses_here.cpu(), want_uses)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(6))
+def test_cuda_hit_survey_kernels_match_the_torch_survey(seed: int) -> None:
+    """The hits-only survey's Triton kernels give the torch version's fields, counts, stamps and uses."""
+    hit_runs_case("cuda", seed)
+
+
+def expand_case(device: str, seed: int) -> None:
+    """:func:`expand_lookups` against the torch expansion (``_expand_lookups`` on the CPU) on ``device``: the
+    tables, ids and checks of every lookup, the bags of the batch's lookups; empty bags, a batch filling only
+    part of its buffers, offsets that decrease (a check, and every bag still in bounds)."""
+    from ssd_tbe_adapter._device_path import _expand_lookups, _LookupBuffers
+    from ssd_tbe_adapter._expand_kernel import expand_lookups
+
+    gen = torch.Generator().manual_seed(seed)
+    bags = int(torch.randint(1, 600, (1,), generator=gen))
+    lengths = torch.randint(0, 5, (bags,), generator=gen) * (torch.rand(bags, generator=gen) < 0.8)
+    lengths[0] = max(int(lengths[0]), 1)
+    offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+    n = int(offsets[-1])
+    if seed % 3 == 2:  # offsets that decrease somewhere
+        at = int(torch.randint(1, bags + 1, (1,), generator=gen))
+        offsets[at] = offsets[at - 1] - 1
+    size, bag_size = n + int(torch.randint(0, 300, (1,), generator=gen)), bags + 7
+    buffers = _LookupBuffers(
+        ids=torch.randint(0, 10**6, (size,), generator=gen),
+        offsets=torch.cat([offsets, torch.randint(0, n + 1, (bag_size - bags,), generator=gen)]),
+        tables=torch.randint(0, 9, (bag_size,), generator=gen),
+    )
+    scalars = torch.tensor([[3, -1, n, bags, 77]])
+    want_tables, want_ids, want_checks, want_bags = _expand_lookups(buffers, scalars)
+    tables, ids, checks, bags_out = expand_lookups(
+        buffers.ids.to(device),
+        buffers.offsets.to(device),
+        buffers.tables.to(device),
+        scalars.view(-1).to(device),
+        2,
+        3,
+    )
+    assert torch.equal(checks.cpu(), want_checks)
+    assert int(bags_out.min()) >= 0
+    assert int(bags_out.max()) < bags
+    if not int(want_checks[2]):  # offsets that never decrease: the same bags, tables and ids
+        assert torch.equal(bags_out[:n].cpu(), want_bags[:n])
+        assert torch.equal(tables.cpu(), want_tables)
+        assert torch.equal(ids.cpu(), want_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(6))
+def test_cuda_survey_expansion_kernel_matches_the_torch_expansion(seed: int) -> None:
+    """The survey's one-launch lookup expansion gives the torch version's tables, ids, bags and checks."""
+    expand_case("cuda", seed)
 
 
 @pytest.mark.gpu

@@ -875,6 +875,23 @@ class DeviceCache:
         *checks, _, host_read = rest
         n = ids.numel()
         found = self.lookup(tables, ids)
+        if self.fuses_updates:  # the same in four launches around the sort (see _survey_kernel)
+            from ssd_tbe_adapter._survey_kernel import hit_runs
+
+            runs = hit_runs(
+                found, self.trash, scalars.view(-1), 1, scalars.numel() - 1, self.stamp, self.uses
+            )
+            zero = runs.unique * 0
+            self._copy_counts([runs.unique, runs.misses, zero, zero, zero, zero], checks, host_read)
+            return HitSurvey(
+                counts=runs.counts,
+                inverse=runs.inverse,
+                order=runs.order,
+                pairs=runs.pairs,
+                slots=runs.unique_slots,
+                touched=runs.touched,
+                packed=runs.packed,
+            )
         # A miss's lookup takes the trash slot here (its survey is discarded: finish_assign surveys again).
         slots, counts, inverse, unique, order, pairs = _unique_slots(
             torch.where(found >= 0, found, self.trash)

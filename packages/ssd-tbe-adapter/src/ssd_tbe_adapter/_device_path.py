@@ -795,8 +795,12 @@ def _expand_lookups(
     lookup padded to ``P`` (repeats of the first lookup), the checks of ``offsets`` (first, last, whether any
     decreases) and the bag of each lookup (as :func:`_bag_of_lookup`: clamped, in bounds whatever ``offsets``
     holds). ``scalars``: ``[1, 5]`` int64, the survey's two, the lookups ``n`` and the bags, the tick."""
-    n, bags = scalars[0, 2], scalars[0, 3]
     device = buffers.ids.device
+    if device.type == "cuda" and moves_on_device(device):  # one launch (see _expand_kernel)
+        from ssd_tbe_adapter._expand_kernel import expand_lookups
+
+        return expand_lookups(buffers.ids, buffers.offsets, buffers.tables, scalars.view(-1), 2, 3)
+    n, bags = scalars[0, 2], scalars[0, 3]
     position = positions(buffers.ids.numel(), device)
     real = position < n
     bag_positions = positions(buffers.tables.numel(), device)
