@@ -188,7 +188,13 @@ def tests_together(session: nox.Session) -> None:
     session.install(*PIP, "-r", "tests/requirements.txt")
     for package in PACKAGES:
         install_package(session, package, "test")
-    release_tools = ["tools/api_snapshot.py", "tools/check_dist.py", "tools/check_release.py", "tools/tests"]
+    release_tools = [
+        "tools/api_snapshot.py",
+        "tools/check_dist.py",
+        "tools/check_release.py",
+        "tools/gpu_trace_report.py",
+        "tools/tests",
+    ]
     session.run("mypy", "tests", "examples", *release_tools)
     session.run("pytest", "tests", "examples", "tools/tests", *session.posargs)
 

@@ -125,6 +125,13 @@ class _Window:
             torch.cuda.synchronize()
 
 
+def _keep_trace(trace: str, to: Path) -> None:
+    """A gzipped copy of the profiler window's trace (for Perfetto or a per-kernel breakdown)."""
+    to.parent.mkdir(parents=True, exist_ok=True)
+    with open(trace, "rb") as src, gzip.open(to, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+
+
 def _gpu_busy(trace: str) -> tuple[float, float]:
     """The union of GPU kernel / memcpy / memset intervals: as a fraction of the span of the trace's GPU and
     CPU-op events, and in milliseconds (summed over the window's steps)."""
@@ -176,6 +183,7 @@ class BenchConfig:
     rank: int = 0
     world_size: int = 1
     tbe: str = "auto"
+    trace_dir: Path | None = None
 
     @property
     def total_steps(self) -> int:
@@ -227,6 +235,8 @@ def _run_window(bench: BenchConfig, body: Callable[[], list[int]]) -> dict[str, 
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         samples, seconds = float(total.item()), float(slowest.item())  # after the window: off the timed steps
+    if bench.trace_dir is not None and window.trace and bench.rank == 0:
+        _keep_trace(window.trace, bench.trace_dir / f"{bench.out.name}-trace.json.gz")
     busy, busy_ms = _gpu_busy(window.trace)
     ms_per_step = 1000.0 * seconds / bench.steps
     gpu_ms = busy_ms / bench.profile_steps if bench.profile_steps else float("nan")
@@ -441,6 +451,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
+    p.add_argument("--trace-dir", type=Path, help="keep each run's profiler trace here (gzipped, rank 0)")
     p.add_argument("--notes", default="", help="free text for the JSON's `notes` (machine load, versions)")
     return p.parse_args(argv)
 
@@ -501,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                     out=Path(tmp) / f"{impl}-{rep}",
                     rank=rank,
                     world_size=world,
+                    trace_dir=args.trace_dir,
                 )
                 row = _run_window(bench, functools.partial(_run, bench, impl))
                 row["load_avg"] = os.getloadavg()[0]  # 1-minute load at the end of the run (shared machines)

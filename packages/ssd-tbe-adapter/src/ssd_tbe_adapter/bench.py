@@ -729,6 +729,50 @@ class _Family:
         """The owner closes the database."""
 
 
+class _SstIngest:
+    """RocksDB (``rocksdict``, the options of :class:`RocksDBStore`) whose ``put`` writes the batch, sorted by
+    key, into one SST file (``SstFileWriter``) and ingests it (``ingest_external_file``, files moved): no
+    memtable insert and no write-ahead log per row; every put adds one level-0 file that background
+    compactions merge. Gets are the plain multi-get."""
+
+    def __init__(self, path: Path) -> None:
+        import rocksdict
+
+        self._rocksdict = rocksdict
+        self._options = rocksdict.Options(raw_mode=True)
+        self._options.create_if_missing(True)
+        self._options.optimize_for_point_lookup(64)
+        self._options.set_compression_type(rocksdict.DBCompressionType.none())
+        self._options.set_allow_mmap_reads(True)
+        self._db: Any = rocksdict.Rdict(str(path / "db"), self._options)
+        self._ingest = rocksdict.IngestExternalFileOptions()
+        self._ingest.set_move_files(True)
+        self._files = path / "sst"
+        self._files.mkdir(parents=True, exist_ok=True)
+        self._written = 0
+
+    def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
+        values: list[bytes | None] = self._db.get(encode_keys(table, ids.numpy()))
+        out.numpy()[...] = np.frombuffer(b"".join(cast("list[bytes]", values)), np.uint8).reshape(out.shape)
+        return torch.ones(ids.numel(), dtype=torch.bool)
+
+    def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None:
+        order = np.argsort(ids.numpy(), kind="stable")  # one table: key order is id order (unique ids here)
+        keys = encode_keys(table, ids.numpy()[order])
+        values = encode_values(rows.index_select(0, torch.from_numpy(order)).contiguous())
+        path = str(self._files / f"{self._written}.sst")
+        self._written += 1
+        writer = self._rocksdict.SstFileWriter(options=self._options)
+        writer.open(path)
+        for key, value in zip(keys, values, strict=True):
+            writer[key] = value
+        writer.finish()
+        self._db.ingest_external_file([path], self._ingest)
+
+    def close(self) -> None:
+        self._db.close()
+
+
 class _Lmdb:
     """LMDB (``lmdb`` package) with the store's key encoding: ``getmulti`` / ``putmulti`` over one cursor, one
     transaction per call, ``sync=False`` (a killed process loses no committed write; ``flush`` would fsync);
@@ -803,6 +847,7 @@ def _store_io_impls(case: StoreIOCase, workdir: Path) -> dict[str, _BatchIO]:
         )
         families = _ColumnFamilies(workdir / f"rocksdb-cf{k}", k)
         impls[f"rocksdb-cf{k}"] = _Sharded([families.shard(i) for i in range(k)], owner=families)
+    impls["rocksdb-sst"] = _SstIngest(workdir / "rocksdb-sst")
     try:
         importlib.import_module("lmdb")
     except ImportError:
