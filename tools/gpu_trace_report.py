@@ -50,7 +50,7 @@ def _spans(events: Iterable[Event]) -> list[tuple[float, float]]:
     return [(e["ts"], e["ts"] + e["dur"]) for e in events]
 
 
-def _short(name: str, width: int = 90) -> str:
+def _short(name: str, width: int = 160) -> str:
     return re.sub(r"\s+", " ", name)[:width]
 
 
@@ -131,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--attribute", action="store_true", help="kernels by the CPU ops that launched them")
     parser.add_argument("--min-us", type=float, default=5.0, help="--attribute: smallest time a step shown")
+    parser.add_argument("--top", type=int, default=12, help="kernels shown per stream (without --attribute)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps is {args.steps}, expected >= 1")
