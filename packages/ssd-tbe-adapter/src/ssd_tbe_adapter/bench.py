@@ -682,6 +682,24 @@ class _Sharded:
             self._owner.close()
 
 
+def _store_options(rocksdict: Any) -> Any:
+    """``rocksdict.Options`` as :class:`RocksDBStore` sets them (raw keys, point lookups, no compression,
+    mmap reads), for the bench's other RocksDB layouts."""
+    options = rocksdict.Options(raw_mode=True)
+    options.create_if_missing(True)
+    options.optimize_for_point_lookup(64)
+    options.set_compression_type(rocksdict.DBCompressionType.none())
+    options.set_allow_mmap_reads(True)
+    return options
+
+
+def _multi_get(db: Any, ids: torch.Tensor, out: torch.Tensor, table: int) -> torch.Tensor:
+    """One multi-get of prefilled ``ids`` from ``db`` (an ``Rdict`` or a column family) into ``out``."""
+    values: list[bytes | None] = db.get(encode_keys(table, ids.numpy()))
+    out.numpy()[...] = np.frombuffer(b"".join(cast("list[bytes]", values)), np.uint8).reshape(out.shape)
+    return torch.ones(ids.numel(), dtype=torch.bool)
+
+
 class _ColumnFamilies:
     """One RocksDB instance (``rocksdict``, the options of :class:`RocksDBStore`) with ``K`` column families;
     the shard ``k`` of an id (``id % K``) lives in family ``k`` (one ``WriteBatch`` per family)."""
@@ -690,11 +708,7 @@ class _ColumnFamilies:
         import rocksdict
 
         self._rocksdict = rocksdict
-        options = rocksdict.Options(raw_mode=True)
-        options.create_if_missing(True)
-        options.optimize_for_point_lookup(64)
-        options.set_compression_type(rocksdict.DBCompressionType.none())
-        options.set_allow_mmap_reads(True)
+        options = _store_options(rocksdict)
         self._db: Any = rocksdict.Rdict(str(path), options)
         self._families: list[Any] = [
             self._db.create_column_family(f"shard{k}", options) for k in range(families)
@@ -718,9 +732,7 @@ class _Family:
         self._rocksdict, self._family, self._handle = rocksdict, family, handle
 
     def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
-        values: list[bytes | None] = self._family.get(encode_keys(table, ids.numpy()))
-        out.numpy()[...] = np.frombuffer(b"".join(cast("list[bytes]", values)), np.uint8).reshape(out.shape)
-        return torch.ones(ids.numel(), dtype=torch.bool)
+        return _multi_get(self._family, ids, out, table)
 
     def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None:
         self._family.write(write_batch(self._rocksdict, table, ids.numpy(), rows, column_family=self._handle))
@@ -739,11 +751,7 @@ class _SstIngest:
         import rocksdict
 
         self._rocksdict = rocksdict
-        self._options = rocksdict.Options(raw_mode=True)
-        self._options.create_if_missing(True)
-        self._options.optimize_for_point_lookup(64)
-        self._options.set_compression_type(rocksdict.DBCompressionType.none())
-        self._options.set_allow_mmap_reads(True)
+        self._options = _store_options(rocksdict)
         self._db: Any = rocksdict.Rdict(str(path / "db"), self._options)
         self._ingest = rocksdict.IngestExternalFileOptions()
         self._ingest.set_move_files(True)
@@ -752,9 +760,7 @@ class _SstIngest:
         self._written = 0
 
     def get(self, ids: torch.Tensor, out: torch.Tensor, *, table: int = 0) -> torch.Tensor:
-        values: list[bytes | None] = self._db.get(encode_keys(table, ids.numpy()))
-        out.numpy()[...] = np.frombuffer(b"".join(cast("list[bytes]", values)), np.uint8).reshape(out.shape)
-        return torch.ones(ids.numel(), dtype=torch.bool)
+        return _multi_get(self._db, ids, out, table)
 
     def put(self, ids: torch.Tensor, rows: torch.Tensor, *, table: int = 0) -> None:
         order = np.argsort(ids.numpy(), kind="stable")  # one table: key order is id order (unique ids here)
