@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from ssd_tbe_adapter import MemoryStore, RocksDBStore
-from ssd_tbe_adapter.bench import StoreIOCase, _ColumnFamilies, _Sharded, run_store_io
+from ssd_tbe_adapter.bench import StoreIOCase, _ColumnFamilies, _Sharded, main, run_store_io
 
 
 def _sharded(kind: str, path: Path) -> _Sharded:
@@ -52,3 +53,27 @@ def test_store_io_reports_every_store(tmp_path: Path) -> None:
         assert 0 < row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
         assert row["median_ms_beside_python"] > 0
         assert row["python_progress"] >= 0
+
+
+def test_json_records_the_command_that_ran(tmp_path: Path) -> None:
+    """The JSON's ``command`` names the device and the shape flags it ran with (a large-shape JSON once said
+    it ran the default shape)."""
+    out = tmp_path / "io.json"
+    main(
+        [
+            "--store-io",
+            "--quick",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--workdir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ]
+    )
+    command = json.loads(out.read_text())["command"]
+    assert command.startswith("python -m ssd_tbe_adapter.bench --device cpu --quick")
+    assert command.endswith("--steps 1 --store-io")
+    assert "--large" not in command

@@ -1105,7 +1105,9 @@ def main(argv: list[str] | None = None) -> None:
             "device": device_name,
             "torch": torch.__version__,
             "command": "python -m ssd_tbe_adapter.bench"
+            + f" --device {args.device}"
             + (" --quick" if args.quick else "")
+            + (" --large" if args.large else "")
             + (f" --threads {args.threads}" if args.threads else "")
             + (f" --steps {args.steps}" if args.steps else "")
             + (f" --only {args.only}" if args.only else "")
